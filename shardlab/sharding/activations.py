@@ -9,7 +9,7 @@ import contextlib
 import contextvars
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardlab.sharding.rules import Rules, spec
 
@@ -34,3 +34,13 @@ def constrain(x: jax.Array, names: tuple) -> jax.Array:
   mesh, table = active
   pspec = spec(names, x.shape, table, mesh, f"activation {names}")
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, pspec))
+
+
+def current(names: tuple, shape) -> tuple[Mesh, PartitionSpec] | None:
+  """The active mesh and the PartitionSpec `names` resolve to for `shape` (None outside
+  `activation_rules`): what hand-written shard_map code needs to match `constrain`."""
+  active = _ACTIVE.get()
+  if active is None:
+    return None
+  mesh, table = active
+  return mesh, spec(names, shape, table, mesh, f"activation {names}")

@@ -1,0 +1,188 @@
+"""models/attention.py: the blockwise path against decoder.attend (values and gradients), on a
+sharded mesh, its memory; the TPU path run in Pallas interpret mode and compiled for a v5e
+topology; the GPU path lowered to cuDNN's custom call."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from shardlab.models import attention, decoder
+from shardlab.plan import aot
+from shardlab.sharding import rules as rules_lib
+from shardlab.sharding.activations import activation_rules
+from shardlab.testing import assert_collectives
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
+               "collective-permute")
+
+
+def inputs(b, l, h, kv, e, dtype, seed=0):
+  """q, k, v and an output cotangent (numpy's generator: no eager JAX op to compile)."""
+  rng = np.random.default_rng(seed)
+  shapes = ((b, l, h, e), (b, l, kv, e), (b, l, kv, e), (b, l, h, e))
+  return tuple(jnp.asarray(rng.standard_normal(shape, np.float32).astype(dtype))
+               for shape in shapes)
+
+
+def reference(q, k, v):
+  return decoder.attend(q, k, v, decoder.causal_mask(q.shape[1], None, 0))[0]
+
+
+def with_grads(f):
+  """Output and the vjp of a fixed cotangent w.r.t. q, k, v: one jitted program."""
+  def run(q, k, v, cotangent):
+    out, vjp = jax.vjp(f, q, k, v)
+    return out, vjp(cotangent)
+  return jax.jit(run)
+
+
+def assert_close(got, want, atol, rtol):
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                               atol=atol, rtol=rtol)
+
+
+def test_resolve():
+  assert attention.resolve("auto", "tpu") == attention.resolve("auto", "gpu") == "flash"
+  assert attention.resolve("auto", "cpu") == "xla"
+  assert attention.resolve("xla", "tpu") == "xla"
+  assert attention.resolve("flash", "cpu") == "flash"
+  with pytest.raises(ValueError, match=r"model.attention = 'fast'.*xla, flash, auto"):
+    attention.resolve("fast", "cpu")
+
+
+def test_shapes_are_checked():
+  q, k, v, _ = inputs(1, 16, 3, 2, 8, jnp.float32)
+  with pytest.raises(ValueError, match="K dividing H"):
+    attention.causal(q, k, v, platform="cpu")
+
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+@pytest.mark.parametrize("dtype,heads,kv_heads,length,block", [
+    (F32, 4, 2, 64, 16),  # L = 4 blocks
+    (F32, 4, 4, 60, 16),  # MHA; L padded to a multiple of the block
+    (F32, 4, 1, 32, 32),  # MQA; L == block
+    (BF16, 4, 2, 64, 16),
+    (BF16, 4, 4, 24, 512),  # a block longer than L: one block of L
+])
+def test_blockwise_matches_attend(dtype, heads, kv_heads, length, block):
+  tol = 1e-5 if dtype == F32 else 3e-2
+  args = inputs(2, length, heads, kv_heads, 16, dtype)
+  got = with_grads(functools.partial(attention.causal, platform="cpu", block=block))(*args)
+  want = with_grads(reference)(*args)
+  assert got[0].dtype == dtype and all(g.dtype == dtype for g in got[1])
+  assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_fp32_on_gpu_runs_blockwise():
+  """cuDNN takes 16-bit inputs only: fp32 goes the blockwise way on every platform."""
+  q, k, v, _ = inputs(1, 16, 2, 1, 8, jnp.float32)
+  on = lambda platform: jax.jit(functools.partial(attention.causal, platform=platform))
+  assert_close(on("gpu")(q, k, v), on("cpu")(q, k, v), 0, 0)
+
+
+def test_sharded_blockwise_matches_one_device(mesh):
+  """Batch over data and heads over tensor: the same numbers, and XLA partitions the block
+  loops without a single collective."""
+  mesh = mesh("data:4,tensor:2")
+  args = inputs(4, 128, 4, 2, 16, jnp.float32)
+  sharding = NamedSharding(mesh, P("data", None, "tensor"))
+  flash = with_grads(functools.partial(attention.causal, platform="cpu", block=32))
+  want = flash(*args)
+  sharded = jax.jit(flash, in_shardings=(sharding,) * 4).lower(*args).compile()
+  got = sharded(*jax.device_put(args, sharding))
+  assert got[0].sharding.is_equivalent_to(sharding, 4)
+  assert_close(got, want, atol=1e-6, rtol=1e-6)
+  assert_collectives(sharded, mesh=mesh, forbid=COLLECTIVES)
+
+
+def temp_bytes(f, length):
+  q = jax.ShapeDtypeStruct((1, length, 2, 64), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, length, 1, 64), jnp.bfloat16)
+  loss = lambda q, k, v: f(q, k, v).astype(jnp.float32).sum()
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  return step.lower(q, k, k).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_blockwise_memory_is_linear_in_length():
+  """Forward + backward at L=4096: the xla path holds L×L scores and probabilities (~200
+  MiB here), the blockwise one a few blocks."""
+  flash = functools.partial(attention.causal, platform="cpu", block=512)
+  xla_bytes, flash_bytes = temp_bytes(reference, 4096), temp_bytes(flash, 4096)
+  assert xla_bytes > 2 * 4096**2 * 4, xla_bytes  # at least the fp32 scores of both heads
+  assert flash_bytes * 10 < xla_bytes, (flash_bytes, xla_bytes)
+
+
+@pytest.fixture
+def splash_interpreted(monkeypatch):
+  """The TPU path with the Pallas kernel interpreted on the CPU: slow, but the real kernel
+  code and our scaling, layout and shard_map around it."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+  monkeypatch.setattr(sk, "make_splash_mha", functools.partial(sk.make_splash_mha,
+                                                               interpret=True))
+
+
+def test_tpu_path_interpreted_matches_attend(splash_interpreted, mesh):
+  """Under the rules of `tp` (batch over data, heads over tensor): in shard_map over the mesh,
+  the kernel run per device on its examples and heads; L = 200 padded to two blocks of 128."""
+  args = inputs(4, 200, 4, 2, 128, jnp.float32)
+  want = with_grads(reference)(*args)
+  mesh = mesh("data:2,tensor:2")
+  tpu = with_grads(functools.partial(attention.causal, platform="tpu", block=128))
+  with activation_rules(mesh, rules_lib.strategy("tp")):
+    sharded = tpu(*args)
+  assert sharded[0].sharding.is_equivalent_to(NamedSharding(mesh, P("data", None, "tensor")), 4)
+  assert_close(sharded, want, atol=1e-5, rtol=1e-5)
+
+
+def test_tpu_path_refuses_a_sharded_length(mesh):
+  q, k, v, _ = inputs(2, 256, 4, 2, 128, jnp.bfloat16)
+  rules = rules_lib.strategy("dp", {"activations": {"length": "tensor"}})
+  with activation_rules(mesh("data:2,tensor:2"), rules):
+    with pytest.raises(ValueError, match="whole sequences"):
+      jax.eval_shape(functools.partial(attention.causal, platform="tpu"), q, k, v)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not aot.libtpu_available(), reason="libtpu is not installed")
+def test_tpu_path_compiles_to_the_splash_kernel_for_v5e():
+  """Forward + backward for 8 v5e chips (batch over data, heads over tensor), compiled by
+  the real TPU compiler without a TPU: the Mosaic kernels are there (forward, dq, dkv) and
+  nothing is gathered."""
+  devices, _ = aot.tpu_devices("v5e", 8)
+  from shardlab.sharding import mesh as mesh_lib
+  mesh = mesh_lib.build(mesh_lib.load("data:4,tensor:2"), devices)
+  sharding = NamedSharding(mesh, P("data", None, "tensor"))
+  q = jax.ShapeDtypeStruct((8, 1024, 4, 128), jnp.bfloat16, sharding=sharding)
+  k = jax.ShapeDtypeStruct((8, 1024, 2, 128), jnp.bfloat16, sharding=sharding)
+  loss = lambda q, k, v: attention.causal(q, k, v, platform="tpu").astype(jnp.float32).sum()
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  with activation_rules(mesh, rules_lib.strategy("tp")), aot._compile_only("tpu"):
+    text = step.lower(q, k, k).compile().as_text()
+  assert text.count("tpu_custom_call") >= 3, text.count("tpu_custom_call")
+  assert "all-gather" not in text
+
+
+def test_gpu_path_lowers_to_cudnn(monkeypatch):
+  """Lowered (not compiled: that needs a GPU) for CUDA, with cuDNN's version check, which
+  needs a GPU, stubbed: forward and backward are cuDNN's fused attention calls."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn
+  monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 91000)
+  q = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16)
+  loss = lambda q, k, v: attention.causal(q, k, v, platform="gpu").astype(jnp.float32).sum()
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  text = step.trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+  assert "__cudnn$fmhaSoftmax(" in text and "__cudnn$fmhaSoftmaxBackward(" in text
+
+
+def test_gpu_path_without_cudnn_fails_clearly():
+  q, k, v, _ = inputs(1, 32, 2, 1, 8, jnp.bfloat16)
+  with pytest.raises(RuntimeError, match="model.attention = 'flash' on gpu uses cuDNN"):
+    attention.causal(q, k, v, platform="gpu")
