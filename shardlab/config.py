@@ -69,9 +69,14 @@ class DataConfig:
   max_bytes: int = 64 * 2**20
 
   def __post_init__(self):
+    if not self.corpus.strip():
+      raise ConfigError(f"data.corpus is empty ({self.corpus!r}); give a text file, a "
+                        f"directory of text files, or 'stdlib'")
     if not 0 < self.held_out_fraction < 0.5:
       raise ConfigError(
           f"data.held_out_fraction must be in (0, 0.5), got {self.held_out_fraction}")
+    if self.max_bytes < 1:
+      raise ConfigError(f"data.max_bytes must be >= 1, got {self.max_bytes}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +92,10 @@ class CheckpointConfig:
     for f in ("every", "keep"):
       if getattr(self, f) < 1:
         raise ConfigError(f"checkpoint.{f} must be >= 1, got {getattr(self, f)}")
+    for f in ("dir", "init_from"):  # "" would silently mean "none"
+      if getattr(self, f) is not None and not getattr(self, f).strip():
+        raise ConfigError(f"checkpoint.{f} is empty ({getattr(self, f)!r}); give a "
+                          f"directory, or leave it unset")
 
 
 @dataclasses.dataclass(frozen=True)

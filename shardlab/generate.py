@@ -172,18 +172,37 @@ class Generator:
 
   def text(self, params, prompt: str, s: Sampling, use_cache: bool = True) -> list[str]:
     """num_samples continuations of `prompt` (UTF-8 bytes in, bytes decoded out)."""
-    tokens = self.tokens(params, np.frombuffer(prompt.encode("utf-8"), np.uint8), s, use_cache)
+    tokens = self.tokens(params, prompt_bytes(prompt), s, use_cache)
     return [bytes(row.astype(np.uint8).tolist()).decode("utf-8", errors="replace")
             for row in tokens]
 
 
-def from_checkpoint(directory: str, mesh: str | None = None, strategy: str | None = None):
-  """(Generator, params, cfg, step) for the newest checkpoint in `directory`, on its saved
-  mesh and strategy unless others are given."""
-  cfg = registry.run_config_from_dict(checkpoint.saved_config(directory))
-  cfg = dataclasses.replace(cfg, mesh=mesh or cfg.mesh, strategy=strategy or cfg.strategy)
-  device_mesh = mesh_lib.build(mesh_lib.load(cfg.mesh))
-  abstract = run_lib.abstract_state(cfg)
-  sh = run_lib.shardings(cfg, abstract, device_mesh)
-  params, step = checkpoint.restore_params(directory, abstract, sh)
-  return Generator(cfg, abstract, sh), params, cfg, step
+def prompt_bytes(prompt: str) -> np.ndarray:
+  """The prompt's UTF-8 bytes as tokens; text that is not UTF-8 (bytes a terminal passed
+  through undecoded) is refused, naming the first bad byte."""
+  try:
+    return np.frombuffer(prompt.encode("utf-8"), np.uint8)
+  except UnicodeEncodeError as e:
+    raw = prompt.encode("utf-8", "surrogateescape")
+    raise ConfigError(f"the prompt is not valid UTF-8 text: byte {raw[e.start]:#04x} at "
+                      f"position {e.start} ({raw[:40]!r}); give UTF-8 text") from None
+
+
+def from_checkpoint(directory: str, mesh: str | None = None, strategy: str | None = None,
+                    strict: bool = False, warn=None):
+  """(Generator, params, cfg, step) for the newest intact checkpoint in `directory` (a
+  damaged newer step is skipped with a warning, or refused if `strict`), on its saved mesh
+  and strategy unless others are given."""
+
+  def read(restore, step):
+    cfg = registry.run_config_from_dict(restore("config"))
+    cfg = dataclasses.replace(cfg, mesh=mesh or cfg.mesh, strategy=strategy or cfg.strategy)
+    device_mesh = mesh_lib.build(mesh_lib.load(cfg.mesh))
+    abstract = run_lib.abstract_state(cfg)
+    sh = run_lib.shardings(cfg, abstract, device_mesh)
+    params = restore("params", abstract.state.params, sh.state.params)
+    return Generator(cfg, abstract, sh), params, cfg
+
+  (gen, params, cfg), step = checkpoint.restore_newest(
+      directory, read, "--strict" if strict else None, warn)
+  return gen, params, cfg, step

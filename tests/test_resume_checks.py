@@ -6,7 +6,8 @@ import shutil
 
 import pytest
 
-from shardlab import config
+from shardlab import cli, config
+from shardlab.cli import generate as generate_cli
 from shardlab.cli import train as train_cli
 from shardlab.models import registry
 from shardlab.training import checkpoint
@@ -114,7 +115,7 @@ def test_strict_refuses_a_damaged_step_and_none_intact_is_an_error(ckpt, capsys)
   assert train(ckpt, 6, "--set", "checkpoint.strict=true") == 2
   err = capsys.readouterr().err
   assert f"checkpoint {ckpt}/4 could not be read; it is damaged" in err
-  assert "checkpoint.strict is set, so the run stops instead of falling back" in err
+  assert "checkpoint.strict is set, so nothing falls back to an older step" in err
   assert steps_on_disk(ckpt) == ["2", "4"]  # left as it was
 
   (ckpt / "2" / "opt_state" / "_METADATA").unlink()
@@ -123,3 +124,37 @@ def test_strict_refuses_a_damaged_step_and_none_intact_is_an_error(ckpt, capsys)
   assert f"error: no intact checkpoint in {ckpt}: checkpoint {ckpt}/4 could not be read" in err
   assert f"checkpoint {ckpt}/2 could not be read" in err
   assert steps_on_disk(ckpt) == ["2", "4"]
+
+
+def read_with(reader: str, ckpt, tmp_path, *extra: str) -> int:
+  """`reader` of the checkpoint dir: a fine-tuning run's --init-from, generate or to-hf."""
+  if reader == "init-from":
+    return train(tmp_path / "tuned", 1, "--init-from", str(ckpt), *extra)
+  if reader == "generate":
+    return generate_cli.generate_main(["--checkpoint", str(ckpt), "--prompt", "def ",
+                                       "--max-new-tokens", "2", *extra])
+  return cli.main(["convert", "to-hf", str(ckpt), str(tmp_path / "hf"), *extra])
+
+
+@pytest.mark.parametrize("reader", ["init-from", "generate", "to-hf"])
+def test_readers_fall_back_from_a_damaged_newest_step_or_refuse_it(ckpt, tmp_path, capsys,
+                                                                     reader):
+  (ckpt / "4" / "params" / "_METADATA").unlink()
+  strict = ["--set", "checkpoint.strict=true"] if reader == "init-from" else ["--strict"]
+  assert read_with(reader, ckpt, tmp_path, *strict) == 2
+  err = capsys.readouterr().err
+  assert f"checkpoint {ckpt}/4 could not be read; it is damaged" in err
+  assert ("checkpoint.strict is set" if reader == "init-from" else
+          "--strict is set, so nothing falls back to an older step") in err
+
+  assert read_with(reader, ckpt, tmp_path) == 0
+  captured = capsys.readouterr()
+  said = captured.out + captured.err
+  assert (f"warning: checkpoint {ckpt}/4 could not be read; it is damaged or not a shardlab "
+          f"checkpoint (its params metadata (params/_METADATA) is missing); trying the step "
+          f"before it") in said
+  assert "does not match this model" not in said
+  used = {"init-from": f"initialised params from {ckpt} (step 2)",
+          "generate": f"at step 2 from {ckpt}", "to-hf": "wrote config.json"}[reader]
+  assert used in said
+  assert steps_on_disk(ckpt) == ["2", "4"]  # a reader moves nothing

@@ -51,6 +51,8 @@ def convert_parser(prog: str = "shardlab convert") -> argparse.ArgumentParser:
   q.add_argument("--overwrite", action="store_true",
                  help="replace a non-empty HF_DIR (the new export is written beside it and "
                       "renamed into place, so nothing of the old one is left)")
+  q.add_argument("--strict", action="store_true",
+                 help="refuse a damaged newest step instead of exporting the newest intact one")
 
   q = sub.add_parser("hf-config", help="print the model TOML (for --model) of an HF config")
   q.add_argument("hf_dir")
@@ -78,7 +80,7 @@ def _run(args) -> None:
     raise ConfigError(f"--max-shard-gb must be > 0, got {args.max_shard_gb}")
   files, copied = hf_convert.export_checkpoint(
       args.ckpt_dir, args.hf_dir, args.mesh, args.strategy, args.dtype,
-      int(args.max_shard_gb * 2**30), args.overwrite, args.tokenizer_from)
+      int(args.max_shard_gb * 2**30), args.overwrite, args.tokenizer_from, args.strict)
   if args.tokenizer_from and not copied:
     print(f"warning: no tokenizer files in {args.tokenizer_from}", file=sys.stderr)
   print(f"wrote config.json and {len(files)} safetensors file(s) to {args.hf_dir}"

@@ -16,7 +16,9 @@ def generate_parser(prog: str = "shardlab generate") -> argparse.ArgumentParser:
       epilog='Example: shardlab generate --checkpoint runs/tiny/ckpt --prompt "def " '
              "--max-new-tokens 200 --temperature 0.8 --top-k 40 --seed 0")
   p.add_argument("--checkpoint", required=True, help="a checkpoint directory (train.py "
-                                                     "--checkpoint-dir): the newest step")
+                                                     "--checkpoint-dir): its newest intact step")
+  p.add_argument("--strict", action="store_true",
+                 help="refuse a damaged newest step instead of falling back to an older one")
   p.add_argument("--prompt", default="def ", help="text to continue (UTF-8 bytes)")
   p.add_argument("--max-new-tokens", type=int, default=200, help="bytes to generate")
   p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
@@ -35,12 +37,13 @@ def generate_parser(prog: str = "shardlab generate") -> argparse.ArgumentParser:
 def generate_main(argv=None, prog: str = "shardlab generate") -> int:
   args = generate_parser(prog).parse_args(argv)
   try:
+    generate.prompt_bytes(args.prompt)  # before any loading: a bad prompt fails at once
     setup_devices(args.simulate_devices)
     sampling = generate.Sampling(max_new_tokens=args.max_new_tokens,
                                  temperature=args.temperature, top_k=args.top_k,
                                  seed=args.seed, num_samples=args.num_samples)
     gen, params, cfg, step = generate.from_checkpoint(args.checkpoint, args.mesh,
-                                                      args.strategy)
+                                                      args.strategy, args.strict)
     start = time.perf_counter()
     texts = gen.text(params, args.prompt, sampling, use_cache=not args.no_cache)
     seconds = time.perf_counter() - start

@@ -73,6 +73,8 @@ def compiled_collectives(cfg, abstract, sh) -> tuple[list[str], object]:
 def inspect_main(argv=None, prog: str = "shardlab inspect") -> int:
   args = inspect_parser(prog).parse_args(argv)
   try:
+    if args.devices is not None and args.devices < 1:
+      raise ConfigError(f"--devices must be >= 1 (a device count), got {args.devices}")
     setup_devices(args.simulate_devices)
     cfg, abstract, sh = build(args.model, args.mesh, args.strategy, args.overrides,
                               args.devices)

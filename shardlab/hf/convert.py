@@ -59,7 +59,7 @@ def import_checkpoint(hf_dir: str | Path, out_dir: str | Path, mesh: str = DEFAU
   if out.is_dir() and any(out.iterdir()) and not overwrite:
     raise ConfigError(f"output directory {str(out_dir)!r} is not empty; pass --overwrite to "
                       f"replace what is there, or choose another directory")
-  checkpoint.prepare(out_dir, fresh=True, overwrite=True)
+  checkpoint.prepare(out_dir, fresh=True, overwrite=True, flag="output directory")
   abstract, sh = _placement(cfg)
   params = hf.load_params(hf_dir, cfg.model, abstract, sh)
   opt_state = jax.jit(abstract.optimizer.init, out_shardings=sh.state.opt_state)(params)
@@ -82,23 +82,29 @@ def import_checkpoint(hf_dir: str | Path, out_dir: str | Path, mesh: str = DEFAU
 def export_checkpoint(ckpt_dir: str | Path, hf_dir: str | Path, mesh: str = DEFAULT_MESH,
                       strategy: str = DEFAULT_STRATEGY, dtype: str = "auto",
                       max_shard_bytes: int = 4 * 2**30, overwrite: bool = False,
-                      tokenizer_from: str | Path | None = None) -> tuple[list[Path], list[str]]:
-  """Writes the newest checkpoint in `ckpt_dir` as a Hugging Face Llama directory (with the
-  tokenizer files of `tokenizer_from`, if given); returns (weight files, tokenizer files).
-  A non-empty `hf_dir` needs `overwrite`, and is then replaced whole (see _replace_dir)."""
+                      tokenizer_from: str | Path | None = None,
+                      strict: bool = False) -> tuple[list[Path], list[str]]:
+  """Writes the newest intact checkpoint in `ckpt_dir` (a damaged newer step is skipped with
+  a warning, or refused if `strict`) as a Hugging Face Llama directory (with the tokenizer
+  files of `tokenizer_from`, if given); returns (weight files, tokenizer files). A non-empty
+  `hf_dir` needs `overwrite`, and is then replaced whole (see _replace_dir)."""
   if jax.process_count() > 1:  # each layer is fetched whole into this host's memory
     raise ConfigError(f"to-hf runs in a single process (this run has {jax.process_count()}); "
                       f"run it on one host, e.g. with --simulate-devices on a CPU machine")
   out = _check_output(Path(ckpt_dir), Path(hf_dir), overwrite)
-  saved = checkpoint.saved_config(ckpt_dir)
-  try:
-    cfg = registry.run_config_from_dict(saved)
-  except (TypeError, KeyError) as e:
-    raise ConfigError(f"the config saved in {ckpt_dir} is not a shardlab run config "
-                      f"({e})") from None
-  cfg = dataclasses.replace(cfg, mesh=mesh, strategy=strategy)
-  abstract, sh = _placement(cfg)
-  params, _ = checkpoint.restore_params(ckpt_dir, abstract, sh)
+
+  def read(restore, step):
+    try:
+      cfg = registry.run_config_from_dict(restore("config"))
+    except (TypeError, KeyError) as e:
+      raise ConfigError(f"the config saved in {ckpt_dir}/{step} is not a shardlab run "
+                        f"config ({e})") from None
+    cfg = dataclasses.replace(cfg, mesh=mesh, strategy=strategy)
+    abstract, sh = _placement(cfg)
+    return cfg, abstract, restore("params", abstract.state.params, sh.state.params)
+
+  (cfg, abstract, params), _ = checkpoint.restore_newest(ckpt_dir, read,
+                                                         "--strict" if strict else None)
   if dtype == "auto":
     stored = np.dtype(abstract.policy.param_dtype)
     dtype = "float32" if stored == np.float32 else "bfloat16"

@@ -11,22 +11,30 @@ under one mesh and strategy loads under any other, each process reading only its
 
 A step whose files are missing, truncated or unreadable is `DamagedCheckpoint` (never a
 model mismatch); a resume sets it aside and falls back to the newest intact step, unless
-`checkpoint.strict` is set.
+`checkpoint.strict` is set; the readers (`restore_params`, `restore_newest`) fall back the
+same way, leaving the directory as it is (checkpoint_disk.py).
+
+A save that fails (a full disk, a directory gone read-only) raises CheckpointWriteError from
+the next `save` or `wait`: step directories are created synchronously, so no Orbax thread is
+left waiting for one and the process can exit.
 """
 
-import shutil
-import sys
+import contextlib
 from pathlib import Path
 from typing import Callable
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from shardlab.config import CheckpointConfig
 from shardlab.errors import ConfigError
+from shardlab.training.checkpoint_disk import DamagedCheckpoint, check_shapes, newest_intact
+from shardlab.training.checkpoint_disk import prepare, restore_item, stderr
 from shardlab.training.state import Abstract, Shardings, TrainState, placed
+
+__all__ = ["Checkpointer", "CheckpointWriteError", "DamagedCheckpoint", "prepare",
+           "restore_newest", "restore_params", "saved_config"]
 
 ARRAY_ITEMS = ("params", "opt_state")
 JSON_ITEMS = ("config", "progress")
@@ -42,93 +50,35 @@ def _restore_args(abstract_tree, sharding_tree) -> ocp.args.PyTreeRestore:
 def _open(directory: str | Path, options: CheckpointConfig = CheckpointConfig(),
           create: bool = False):
   # No zstd: it costs more CPU than it saves bytes on float weights (~8%), and halves
-  # save throughput on a small host (bench/checkpoint.py).
+  # save throughput on a small host (bench/checkpoint.py). Step directories are made in
+  # `save` itself: made in the background, a failure left Orbax's other threads waiting
+  # for them (20 min), holding the process at exit.
   handlers = {**{k: ocp.PyTreeCheckpointHandler(use_compression=False) for k in ARRAY_ITEMS},
               **{k: ocp.JsonCheckpointHandler() for k in JSON_ITEMS}}
   return ocp.CheckpointManager(
       Path(directory).absolute(), item_handlers=handlers,
       options=ocp.CheckpointManagerOptions(
           save_interval_steps=options.every, max_to_keep=options.keep, create=create,
-          cleanup_tmp_directories=True,
-          enable_async_checkpointing=options.async_save))
+          cleanup_tmp_directories=True, enable_async_checkpointing=options.async_save,
+          async_options=ocp.AsyncOptions(create_directories_asynchronously=False)))
 
 
-def _existing(directory: str | Path) -> tuple[ocp.CheckpointManager, int]:
-  """Opens a directory that must hold a complete checkpoint; returns it and its newest step."""
+def _existing(directory: str | Path) -> ocp.CheckpointManager:
+  """Opens a directory that must hold a complete checkpoint."""
   path = Path(directory)
   if not path.is_dir():
     raise ConfigError(f"checkpoint directory {str(directory)!r} does not exist")
   manager = _open(path)
-  step = manager.latest_step()
-  if step is None:
+  if manager.latest_step() is None:
     manager.close()
     found = ", ".join(sorted(p.name for p in path.iterdir())[:5]) or "nothing"
     raise ConfigError(f"checkpoint directory {str(directory)!r} holds no complete checkpoint "
                       f"(found: {found})")
-  return manager, step
+  return manager
 
 
-def _shapes_by_path(tree) -> dict:
-  """{'1.0.mu.blocks.attn.q_DxHxE': shape}: key names only, since Orbax stores optax's
-  named tuples as dicts and lists."""
-  return {jax.tree_util.keystr(path, simple=True, separator="."): leaf.shape
-          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-class DamagedCheckpoint(ConfigError):
-  """A step whose files are missing, truncated or unreadable."""
-
-  def __init__(self, directory, step: int, detail: str):
-    self.step = step
-    super().__init__(f"checkpoint {directory}/{step} could not be read; it is damaged or not "
-                     f"a shardlab checkpoint ({detail})")
-
-
-def _check_shapes(manager, step: int, item: str, abstract_tree, directory) -> None:
-  """Raises ConfigError listing every leaf whose saved shape differs from the model's, and
-  DamagedCheckpoint when the item's metadata is missing or unreadable."""
-  try:
-    saved = manager.item_metadata(step)[item]
-  except Exception as e:  # unreadable metadata: a damaged or foreign checkpoint
-    raise _unreadable(directory, step, e) from e
-  if saved is None:  # Orbax reports a missing _METADATA file as no metadata at all
-    raise DamagedCheckpoint(directory, step, f"its {item} metadata ({item}/_METADATA) is "
-                            f"missing")
-  saved = saved.tree if hasattr(saved, "tree") else saved
-  flat_saved, flat_want = _shapes_by_path(saved), _shapes_by_path(abstract_tree)
-  problems = [f"  {k}: checkpoint {flat_saved.get(k, 'missing')}, model {flat_want.get(k, 'missing')}"
-              for k in sorted(set(flat_saved) | set(flat_want))
-              if flat_saved.get(k) != flat_want.get(k)]
-  if problems:
-    raise ConfigError(
-        f"checkpoint {directory}/{step} does not match this model ({len(problems)} "
-        f"{item} leaves differ):\n" + "\n".join(problems[:20]) +
-        ("\n  ..." if len(problems) > 20 else ""))
-
-
-def _restore(manager, step: int, directory, args):
-  try:
-    return manager.restore(step, args=args)
-  except Exception as e:  # tensorstore/json errors on damaged files: say which checkpoint
-    raise _unreadable(directory, step, e) from e
-
-
-def _unreadable(directory, step: int, error: Exception) -> DamagedCheckpoint:
-  while error.__cause__ is not None:  # Orbax wraps tensorstore's error, which names the file
-    error = error.__cause__
-  detail = str(error).split(" [tensorstore_spec")[0].split(" See full TensorStore")[0][:400]
-  return DamagedCheckpoint(directory, step, f"{type(error).__name__}: {detail}")
-
-
-def _on_any_process(flag: bool) -> bool:
-  """Whether `flag` holds on some process: a damaged shard may be read by only one."""
-  if jax.process_count() == 1:
-    return flag
-  return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
-
-
-def _stderr(text: str) -> None:
-  print(text, file=sys.stderr, flush=True)
+class CheckpointWriteError(ConfigError):
+  """A save that failed: the directory went away, filled up or became read-only."""
 
 
 class Checkpointer:
@@ -141,6 +91,8 @@ class Checkpointer:
     self.directory = Path(options.dir)
     self.every, self.strict = options.every, options.strict
     self.manager = _open(self.directory, options, create=True)
+    self._saving: int | None = None  # the step of the save in flight
+    self._failed = False  # a failed save was reported
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -148,7 +100,8 @@ class Checkpointer:
   def save(self, state: TrainState, config: dict | None = None,
            progress: dict | None = None, force: bool = False) -> bool:
     """Starts an async save if due (or forced); returns whether one started. `config` and
-    `progress` are saved as JSON beside the arrays (progress defaults to the step)."""
+    `progress` are saved as JSON beside the arrays (progress defaults to the step). Raises
+    CheckpointWriteError if this save, or the one before it, failed."""
     progress = {"step": int(state.step)} if progress is None else progress
     config = {} if config is None else config
     step = int(progress["step"])
@@ -158,58 +111,58 @@ class Checkpointer:
         params=ocp.args.PyTreeSave(state.params),
         opt_state=ocp.args.PyTreeSave(state.opt_state),
         config=ocp.args.JsonSave(config), progress=ocp.args.JsonSave(progress))
-    return self.manager.save(step, args=args, force=True)
+    self.wait()  # Orbax waits for the save before anyway; here a failure names its step
+    with self._failures(step):
+      started = self.manager.save(step, args=args, force=True)
+    self._saving = step
+    return started
 
   def due(self, step: int, force: bool = False) -> bool:
     """Whether `save` at `step` would write (the loop checks the state first)."""
     return (force or step % self.every == 0) and step not in self.manager.all_steps()
 
+  @contextlib.contextmanager
+  def _failures(self, step: int | None):
+    """Turns an error of Orbax's save machinery into CheckpointWriteError naming the step,
+    the directory, the cause and the newest complete step."""
+    try:
+      yield
+    except ConfigError:
+      raise
+    except Exception as error:
+      failed = self._saving if self._saving is not None else step
+      self._saving, self._failed = None, True
+      complete = [s for s in self.manager.all_steps() if s != failed]
+      newest = (f"the newest complete checkpoint is step {max(complete)}" if complete
+                else "no complete checkpoint was written")
+      raise CheckpointWriteError(
+          f"could not write checkpoint step {failed} to {self.directory} "
+          f"({type(error).__name__}: {error}); {newest}. Free space or fix the directory, "
+          f"then rerun to resume") from error
+
   def restore(self, abstract: Abstract, sh: Shardings, step: int | None = None,
               check_config: Callable[[dict, int], None] | None = None,
-              warn: Callable[[str], None] = _stderr):
+              warn: Callable[[str], None] = stderr):
     """(TrainState on `sh`'s mesh, progress dict) from the given step or else the newest
     intact one: a damaged newer step is set aside (renamed <step>.damaged) with a warning,
     or refused under checkpoint.strict. `check_config(saved config, step)` runs before any
     array is read and may raise."""
+    read = lambda s: self._restore_step(abstract, sh, s, check_config)
     if step is not None:
-      return self._restore_step(abstract, sh, step, check_config)
-    steps = sorted(self.manager.all_steps(), reverse=True)
-    if not steps:
-      raise ConfigError(f"checkpoint directory {str(self.directory)!r} holds no complete "
-                        f"checkpoint")
-    damaged = []
-    for candidate in steps:
-      error = None
-      try:
-        result = self._restore_step(abstract, sh, candidate, check_config)
-      except DamagedCheckpoint as e:
-        error = e
-      if not _on_any_process(error is not None):
-        self._set_aside(damaged, candidate, warn)
-        return result
-      error = error or DamagedCheckpoint(self.directory, candidate, "on another process")
-      if self.strict:
-        raise ConfigError(f"{error}; checkpoint.strict is set, so the run stops instead of "
-                          f"falling back to an older step: repair or move {self.directory}/"
-                          f"{candidate}, or set checkpoint.strict=false") from error
-      if jax.process_index() == 0:
-        warn(f"warning: {error}; trying the step before it")
-      damaged.append(error)
-    raise ConfigError(f"no intact checkpoint in {self.directory}: " +
-                      "; ".join(str(e) for e in damaged) +
-                      "; repair one, or start over with --fresh --overwrite")
+      return read(step)
+    result, restored, damaged = newest_intact(
+        self.directory, list(self.manager.all_steps()), read,
+        "checkpoint.strict" if self.strict else None, warn)
+    self._set_aside(damaged, restored, warn)
+    return result
 
   def _restore_step(self, abstract: Abstract, sh: Shardings, step: int, check_config):
     for item in ARRAY_ITEMS:
-      _check_shapes(self.manager, step, item, getattr(abstract.state, item), self.directory)
-    saved = _restore(self.manager, step, self.directory, ocp.args.Composite(
-        config=ocp.args.JsonRestore(), progress=ocp.args.JsonRestore()))
-    if saved["progress"].get("step") != step:
-      raise DamagedCheckpoint(self.directory, step, f"its progress metadata says step "
-                              f"{saved['progress'].get('step')}")
+      check_shapes(self.manager, step, item, getattr(abstract.state, item), self.directory)
+    saved = _read_json(self.manager, step, self.directory)
     if check_config is not None:
       check_config(saved["config"], step)
-    restored = _restore(self.manager, step, self.directory, ocp.args.Composite(
+    restored = restore_item(self.manager, step, self.directory, ocp.args.Composite(
         params=_restore_args(abstract.state.params, sh.state.params),
         opt_state=_restore_args(abstract.state.opt_state, sh.state.opt_state)))
     state = TrainState(step=jax.device_put(jax.numpy.int32(step), sh.state.step),
@@ -234,47 +187,68 @@ class Checkpointer:
     self.manager.reload()
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    """Waits for the save in flight; raises CheckpointWriteError if it failed."""
+    with self._failures(self._saving):
+      self.manager.wait_until_finished()
+    self._saving = None
 
   def close(self) -> None:
-    self.manager.close()
+    """Waits for the save in flight and closes; a failure already raised is not raised
+    again (close runs in `finally` blocks)."""
+    if self._failed:
+      try:
+        self.manager.close()
+      except Exception:
+        pass
+      return
+    with self._failures(self._saving):
+      self.manager.close()
 
 
-def restore_params(directory: str | Path, abstract: Abstract, sh: Shardings):
-  """Only the params of the newest checkpoint in `directory`, placed on `sh` (fine-tuning)."""
-  manager, step = _existing(directory)
+def _read_json(manager, step: int, directory) -> dict:
+  """The step's saved config and progress; a progress naming another step is damage."""
+  saved = restore_item(manager, step, directory, ocp.args.Composite(
+      config=ocp.args.JsonRestore(), progress=ocp.args.JsonRestore()))
+  if saved["progress"].get("step") != step:
+    raise DamagedCheckpoint(directory, step, f"its progress metadata says step "
+                            f"{saved['progress'].get('step')}")
+  return saved
+
+
+def restore_newest(directory: str | Path, read: Callable[[Callable, int], object],
+                   strict: str | None = None, warn: Callable[[str], None] | None = None):
+  """(read(restore, step), step) for the newest step of `directory` that reads intact:
+  `read` calls `restore(item="config"|"params", abstract=, shardings=)` for what it needs.
+  A damaged newer step is skipped with a warning (left on disk), or refused if `strict`
+  names the setting that asks for that."""
+  manager = _existing(directory)
+
+  def read_step(step: int):
+    def restore(item: str, abstract=None, shardings=None):
+      if item == "config":
+        return _read_json(manager, step, directory)["config"]
+      check_shapes(manager, step, item, abstract, directory)
+      return restore_item(manager, step, directory, ocp.args.Composite(
+          **{item: _restore_args(abstract, shardings)}))[item]
+    return read(restore, step)
+
   try:
-    _check_shapes(manager, step, "params", abstract.state.params, directory)
-    restored = _restore(manager, step, directory, ocp.args.Composite(
-        params=_restore_args(abstract.state.params, sh.state.params)))
-    return restored["params"], step
+    result, step, _ = newest_intact(directory, list(manager.all_steps()), read_step, strict,
+                                    warn or stderr)
+    return result, step
   finally:
     manager.close()
 
 
-def saved_config(directory: str | Path) -> dict:
-  """The resolved config JSON of the newest checkpoint."""
-  manager, step = _existing(directory)
-  try:
-    return _restore(manager, step, directory,
-                    ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
-  finally:
-    manager.close()
+def restore_params(directory: str | Path, abstract: Abstract, sh: Shardings,
+                   strict: str | None = None, warn: Callable[[str], None] | None = None):
+  """(params, step): only the params of the newest intact checkpoint in `directory`,
+  placed on `sh` (fine-tuning)."""
+  return restore_newest(directory, lambda restore, step: restore(
+      "params", abstract.state.params, sh.state.params), strict, warn)
 
 
-def prepare(directory: str | Path, fresh: bool, overwrite: bool) -> None:
-  """Refuses to start fresh on top of existing checkpoints unless told to overwrite."""
-  path = Path(directory)
-  if path.exists() and not path.is_dir():
-    raise ConfigError(f"--checkpoint-dir {str(directory)!r} exists and is not a directory")
-  if not fresh or not path.exists() or not any(path.iterdir()):
-    return
-  if not overwrite:
-    raise ConfigError(
-        f"--fresh: checkpoint directory {str(directory)!r} is not empty; pass --overwrite to "
-        f"delete what is there, or choose another directory")
-  if jax.process_index() == 0:  # one process deletes; the others wait for it
-    for child in path.iterdir():
-      shutil.rmtree(child) if child.is_dir() else child.unlink()
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices("shardlab checkpoint.prepare")
+def saved_config(directory: str | Path, strict: str | None = None,
+                 warn: Callable[[str], None] | None = None) -> dict:
+  """The resolved config JSON of the newest intact checkpoint."""
+  return restore_newest(directory, lambda restore, step: restore("config"), strict, warn)[0]

@@ -8,6 +8,7 @@ its own rows of the global batch (jax.make_array_from_process_local_data).
 
 import dataclasses
 import math
+import stat
 import sysconfig
 from pathlib import Path
 
@@ -43,8 +44,20 @@ def _files(cfg: DataConfig) -> tuple[list[Path], str]:
   if not path.exists():
     raise ConfigError(f"data.corpus {cfg.corpus!r} does not exist; give a text file, a "
                       f"directory of text files, or 'stdlib'")
-  files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-  return files, str(path)
+  if path.is_dir():  # regular files only: a FIFO or device inside would block or never end
+    return sorted(p for p in path.rglob("*") if p.is_file()), str(path)
+  mode = path.stat().st_mode
+  if not stat.S_ISREG(mode):
+    raise ConfigError(f"data.corpus {cfg.corpus!r} is a {_kind(mode)}, not a regular file: "
+                      f"reading it could block or never end; give a text file, a directory "
+                      f"of text files, or 'stdlib'")
+  return [path], str(path)
+
+
+def _kind(mode: int) -> str:
+  kinds = ((stat.S_ISFIFO, "FIFO (named pipe)"), (stat.S_ISCHR, "character device"),
+           (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket"))
+  return next((name for test, name in kinds if test(mode)), "special file")
 
 
 def load(cfg: DataConfig, seq_len: int) -> Corpus:
@@ -53,7 +66,8 @@ def load(cfg: DataConfig, seq_len: int) -> Corpus:
   for f in files:
     if total >= cfg.max_bytes:
       break
-    data = f.read_bytes()[: cfg.max_bytes - total]
+    with open(f, "rb") as stream:  # at most what is still wanted: never a whole big file
+      data = stream.read(cfg.max_bytes - total)
     chunks.append(data)
     total += len(data)
   corpus = np.frombuffer(b"".join(chunks), np.uint8)

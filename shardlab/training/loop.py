@@ -81,7 +81,9 @@ def _start_state(run: Run, ckpt, progress: Progress, sources: ParamSources,
     if sep and prefix in sources:
       params, step = sources[prefix](run), 0
     else:
-      params, step = checkpoint.restore_params(source, run.abstract, run.shardings)
+      strict = "checkpoint.strict" if run.cfg.checkpoint.strict else None
+      params, step = checkpoint.restore_params(source, run.abstract, run.shardings, strict,
+                                               progress.message)
     state = state.replace(params=params)
     progress.message(f"initialised params from {source} (step {step}); fresh optimizer state")
   return state, 0, 0
