@@ -56,6 +56,13 @@ def train_parser(prog: str = "train.py") -> argparse.ArgumentParser:
                       "SLURM and Open MPI are detected without it")
   p.add_argument("--num-processes", type=int, metavar="N", help="with --coordinator")
   p.add_argument("--process-id", type=int, metavar="I", help="with --coordinator: 0..N-1")
+  p.add_argument("--init-timeout", type=float, metavar="S", default=distributed.INIT_TIMEOUT_S,
+                 help="multi-process: every process must join within S seconds, else exit 4 "
+                      "naming the coordinator (default %(default)s)")
+  p.add_argument("--heartbeat-timeout", type=float, metavar="S",
+                 default=distributed.HEARTBEAT_TIMEOUT_S,
+                 help="multi-process: a process silent for S seconds is taken as dead and "
+                      "every other one exits 4 naming it (default %(default)s)")
   p.add_argument("--quiet", action="store_true", help="no progress output")
   return p
 
@@ -94,7 +101,8 @@ def train_main(argv=None, prog: str = "train.py") -> int:
   args = train_parser(prog).parse_args(argv)
   try:
     setup_devices(args.simulate_devices)
-    how = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    how = distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                                 args.init_timeout, args.heartbeat_timeout)
     if how and distributed.is_leader() and not args.quiet:
       print(f"distributed: {how}", flush=True)
     cfg = config_from_args(args)
@@ -103,11 +111,17 @@ def train_main(argv=None, prog: str = "train.py") -> int:
                on_finish=sampler(args.sample_tokens),
                allow_config_change=args.allow_config_change)
   except ConfigError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+    return _error(e, 2)
   except NonFiniteError as e:  # its own code: a scheduler can tell divergence from bad input
-    print(f"error: {e}", file=sys.stderr)
-    return 3
+    return _error(e, 3)
   return 0
+
+
+def _error(error: Exception, code: int) -> int:
+  print(f"error: {error}", file=sys.stderr, flush=True)
+  # Several processes: this one may be alone in failing (a path only its host lacks), so
+  # the others are told, and nobody waits at the exit for a peer that left.
+  distributed.fail(f"error: {str(error)[:300]}", code)
+  return code
 
 

@@ -2,19 +2,35 @@
 
 `initialize` starts jax.distributed either from explicit arguments (--coordinator, set by
 `shardlab launch` through SHARDLAB_* variables) or from the cluster JAX detects (TPU pod
-slices, SLURM, Open MPI). It must run before the backend starts.
+slices, SLURM, Open MPI). It must run before the backend starts. Nothing waits without a
+deadline: joining has `--init-timeout`, and afterwards a watchdog stops every process when
+one dies, hangs or fails (watchdog.py); each such exit is code 4 with a message naming the
+process or the coordinator.
 """
 
+import atexit
 import os
+import socket
+import sys
+import threading
 
 import jax
+from jax._src import distributed as jax_distributed
 
 from shardlab.errors import ConfigError
+from shardlab.runtime import watchdog
 
 # Set by `shardlab launch` for each process it starts; the CLI reads them as defaults.
 ENV_COORDINATOR = "SHARDLAB_COORDINATOR"
 ENV_NUM_PROCESSES = "SHARDLAB_NUM_PROCESSES"
 ENV_PROCESS_ID = "SHARDLAB_PROCESS_ID"
+
+INIT_TIMEOUT_S = 90  # all processes must join within this (--init-timeout)
+HEARTBEAT_TIMEOUT_S = 15  # a peer silent this long is taken as dead (--heartbeat-timeout)
+# How long a finishing process waits at exit for the others to finish too: long enough for
+# process 0's last writes (metrics, plot), short enough not to look like a hang.
+SHUTDOWN_TIMEOUT_S = 120
+_watchdog: watchdog.Watchdog | None = None
 
 
 def detected_cluster() -> str | None:
@@ -30,9 +46,21 @@ def detected_cluster() -> str | None:
   return None
 
 
+def _check_timeouts(init_timeout_s: float, heartbeat_timeout_s: float) -> None:
+  if not init_timeout_s >= 1:
+    raise ConfigError(f"--init-timeout must be >= 1 (seconds), got {init_timeout_s:g}")
+  if not heartbeat_timeout_s >= 2:
+    raise ConfigError(f"--heartbeat-timeout must be >= 2 (seconds; heartbeats are 1 s "
+                      f"apart), got {heartbeat_timeout_s:g}")
+
+
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> str | None:
-  """Starts jax.distributed if this is a multi-process run; returns how, or None."""
+               process_id: int | None = None, init_timeout_s: float = INIT_TIMEOUT_S,
+               heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> str | None:
+  """Starts jax.distributed if this is a multi-process run; returns how, or None. Every
+  process must join within `init_timeout_s`, else this one exits 4 naming the coordinator;
+  afterwards a peer silent for `heartbeat_timeout_s` (or failed) stops it (watchdog.py)."""
+  _check_timeouts(init_timeout_s, heartbeat_timeout_s)
   coordinator = coordinator or os.environ.get(ENV_COORDINATOR)
   if num_processes is None and ENV_NUM_PROCESSES in os.environ:
     num_processes = int(os.environ[ENV_NUM_PROCESSES])
@@ -44,7 +72,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     cluster = detected_cluster()
     if cluster is None:
       return None
-    jax.distributed.initialize()
+    _start(init_timeout_s, heartbeat_timeout_s, f"the coordinator {cluster} names")
     return f"{cluster} (detected): process {jax.process_index()} of {jax.process_count()}"
   if num_processes is None or process_id is None:
     raise ConfigError("--coordinator needs --num-processes N and --process-id I")
@@ -56,9 +84,98 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
   if jax.config.jax_platforms == "cpu" or os.environ.get("JAX_PLATFORMS") == "cpu":
     # CPU devices in different processes talk through gloo (tests, laptops).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                             process_id=process_id)
+  _start(init_timeout_s, heartbeat_timeout_s, coordinator, num_processes, process_id)
   return f"{coordinator}: process {process_id} of {num_processes}"
+
+
+def _start(init_timeout_s: float, heartbeat_timeout_s: float, coordinator: str,
+           num_processes: int | None = None, process_id: int | None = None) -> None:
+  """jax.distributed.initialize under our deadline, then the watchdog. JAX's own timeouts
+  are longer, as backstops: its init error and its heartbeat abort print native stacks."""
+  timer = threading.Timer(init_timeout_s, _init_timed_out,
+                          (coordinator, num_processes, process_id, init_timeout_s))
+  timer.daemon = True
+  timer.start()
+  explicit = {} if num_processes is None else dict(
+      coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+  try:
+    jax.distributed.initialize(**explicit, initialization_timeout=int(init_timeout_s) + 30,
+                               heartbeat_timeout_seconds=int(3 * heartbeat_timeout_s),
+                               shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)
+  finally:
+    timer.cancel()
+  state = jax_distributed.global_state  # the runtime client: no public accessor
+  global _watchdog
+  _watchdog = watchdog.Watchdog(state.client, jax.process_index(), jax.process_count(),
+                                state.coordinator_address or coordinator,
+                                heartbeat_timeout_s).start()
+  atexit.register(_watchdog.finish)  # runs before JAX's own shutdown (registered earlier)
+  previous = sys.excepthook
+
+  def excepthook(kind, value, tb):  # an error no one caught, e.g. from a collective
+    if kind is not KeyboardInterrupt:  # a dead peer is the likelier story: name it instead
+      print(f"process {jax.process_index()}: {kind.__name__}: {str(value)[:200]}; checking "
+            f"the other processes (up to {heartbeat_timeout_s + 2:g} s) before exiting",
+            file=sys.stderr, flush=True)
+      _watchdog.await_verdict()
+    previous(kind, value, tb)
+    fail(f"{kind.__name__}: {str(value)[:300]}", 130 if kind is KeyboardInterrupt else 1)
+
+  sys.excepthook = excepthook
+
+
+def _init_timed_out(coordinator: str, num_processes, process_id, timeout_s: float) -> None:
+  """Says which process waited for what, then exits: jax.distributed.initialize would
+  otherwise block until JAX's own (longer) deadline, and then abort with a native stack."""
+  n = num_processes if num_processes is not None else "all"
+  if process_id == 0:
+    ids = "1" if n == 2 else f"1..{n - 1}"
+    what = (f"process 0 hosts the coordinator at {coordinator}, but not all {n} processes "
+            f"joined within {timeout_s:g} s: start the others with --coordinator "
+            f"{coordinator} --num-processes {n} and --process-id {ids}")
+  elif process_id is None:
+    what = f"not all processes of the run reached {coordinator} within {timeout_s:g} s"
+  elif _answers(coordinator):
+    what = (f"process {process_id} reached the coordinator at {coordinator}, but not all {n} "
+            f"processes joined within {timeout_s:g} s: start every process with "
+            f"--num-processes {n} and its own --process-id")
+  else:
+    what = (f"process {process_id} could not reach the coordinator at {coordinator} within "
+            f"{timeout_s:g} s (nothing answers there): start process 0 with the same "
+            f"--coordinator, and check that this host can reach that host and port")
+  print(f"error: jax.distributed did not start: {what}; or raise --init-timeout "
+        f"(exit {watchdog.EXIT_CODE})", file=sys.stderr, flush=True)
+  os._exit(watchdog.EXIT_CODE)
+
+
+def _answers(address: str) -> bool:
+  host, _, port = address.rpartition(":")
+  try:
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+      return True
+  except (OSError, ValueError):
+    return False
+
+
+def fail(message: str, code: int) -> None:
+  """In a multi-process run, ends this process with `code` after telling the others (they
+  stop at once, naming this process and `message`); otherwise does nothing."""
+  if _watchdog is not None:
+    _watchdog.fail(message, code)
+
+
+def coordinated_preemption() -> bool:
+  """Whether SIGTERM goes through JAX's preemption sync manager: a multi-process run."""
+  return jax.process_count() > 1 and \
+      jax_distributed.global_state.preemption_sync_manager is not None
+
+
+def shutdown() -> None:
+  """Ends a multi-process run from this process's side: the watchdog first (its next
+  heartbeat would find the coordinator gone), then jax.distributed."""
+  if _watchdog is not None:
+    _watchdog.finish()
+  jax.distributed.shutdown()
 
 
 def is_leader() -> bool:

@@ -36,8 +36,6 @@ def launch(target: str, processes: int = 2, devices_per_process: int = 2,
 
 
 def _child(target: str) -> None:
-  import jax
-
   from shardlab.runtime import distributed
   distributed.initialize(None, None, None)  # from the launcher's environment
   module, _, name = target.partition(":")
@@ -45,7 +43,7 @@ def _child(target: str) -> None:
     raise SystemExit(f"target must be 'module:function', got {target!r}")
   result = getattr(importlib.import_module(module), name)()
   print(RESULT + json.dumps(result), flush=True)
-  jax.distributed.shutdown()
+  distributed.shutdown()
 
 
 if __name__ == "__main__":

@@ -141,7 +141,7 @@ def _loop(run: Run, compiled, state, first_step, first_batch, ckpt, logger, prof
       guard.after_step(metrics)
       done = step + 1
       profile.after(done, state)
-      stopping = stop.signal_name or (stop_after and done - first_step >= stop_after)
+      stopping = stop.due(done) or (stop_after and done - first_step >= stop_after)
       saving = ckpt is not None and ckpt.due(done, bool(stopping) or done == t.steps)
       if logger.due(done) or saving:
         counts = guard.fetch()

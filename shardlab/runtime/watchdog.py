@@ -1,0 +1,136 @@
+"""Every process of a multi-process run watches the others, so none waits forever on a peer
+that died, hangs, or failed with an error.
+
+Each process writes a heartbeat counter into the coordination service's key-value store
+once a second and reads everyone's (one RPC each way). A peer whose counter stops for
+`timeout_s`, or that reported a failure, stops this process with a message naming the peer
+and exit code 4. JAX's own heartbeat (3 × timeout_s, see distributed.py) stays as the
+backstop: it aborts every process when the coordinator (process 0) itself dies, which no
+thread here can report first, since the connection it would report through is gone.
+
+Process 0 hosts the coordinator, so it leaves last: when it stops, the others' JAX runtime
+aborts them; when it waits for them, they stop with this module's message.
+"""
+
+import os
+import sys
+import threading
+import time
+
+PREFIX = "shardlab/watchdog/"
+EXIT_CODE = 4  # a peer or the coordinator failed; see docs/guarantees.md
+TICK_S = 1.0
+
+
+class Watchdog:
+  """The heartbeat thread of one process (`client`: jax.distributed's runtime client)."""
+
+  def __init__(self, client, rank: int, count: int, coordinator: str, timeout_s: float):
+    self.client, self.rank, self.count = client, rank, count
+    self.coordinator, self.timeout_s = coordinator, timeout_s
+    self.others = [r for r in range(count) if r != rank]
+    self._stopped = threading.Event()
+    self._failing = False  # this process is exiting with its own error: no second message
+    self._last_seen: dict[int, tuple[str | None, float]] = {}
+    self._thread = threading.Thread(target=self._run, name="shardlab-watchdog", daemon=True)
+
+  def start(self) -> "Watchdog":
+    self._thread.start()
+    return self
+
+  def _run(self) -> None:
+    beat = 0
+    while not self._stopped.is_set():
+      beat += 1
+      try:
+        self.client.key_value_set(f"{PREFIX}alive/{self.rank}", str(beat), allow_overwrite=True)
+        status = dict(self.client.key_value_dir_get(PREFIX))
+      except Exception as e:  # the coordinator's connection is gone
+        if self._stopped.is_set():
+          return
+        self._stop_process(f"lost the coordinator (process 0 at {self.coordinator}): "
+                           f"{str(e).splitlines()[0][:200]}")
+        return
+      problem = self._problem(status, time.monotonic())
+      if problem and not self._stopped.is_set():
+        self._stop_process(problem)
+        return
+      self._stopped.wait(TICK_S)
+
+  def _problem(self, status: dict, now: float) -> str | None:
+    """What is wrong with the other processes, if anything, from the store's `status`."""
+    for rank in self.others:
+      failed = status.get(f"{PREFIX}failed/{rank}")
+      if failed is not None:
+        return f"process {rank} of {self.count} failed ({failed})"
+    for rank in self.others:
+      if f"{PREFIX}done/{rank}" in status:
+        continue
+      value = status.get(f"{PREFIX}alive/{rank}")
+      seen, since = self._last_seen.get(rank, (None, now))
+      if value != seen or rank not in self._last_seen:
+        self._last_seen[rank] = (value, now)
+      elif now - since > self.timeout_s:
+        return (f"process {rank} of {self.count} sent no heartbeat for {now - since:.0f} s "
+                f"(--heartbeat-timeout {self.timeout_s:g}): it died, was killed, or hangs")
+    return None
+
+  def _stop_process(self, problem: str) -> None:
+    if self._failing:
+      return
+    print(f"error: {problem}; stopping process {self.rank} too (exit {EXIT_CODE})",
+          file=sys.stderr, flush=True)
+    self._publish("failed", f"stopped because {problem}")  # the rest learn it at once
+    self._exit(EXIT_CODE)
+
+  def _publish(self, what: str, value: str) -> None:
+    try:
+      self.client.key_value_set(f"{PREFIX}{what}/{self.rank}", value[:500],
+                                allow_overwrite=True)
+    except Exception:
+      pass  # the coordinator is gone: the others learn it from JAX's runtime
+
+  def _exit(self, code: int) -> None:
+    """Leaves now (Python's exit would wait at JAX's shutdown barrier for peers that are
+    gone); process 0 first waits, briefly, for the others to go."""
+    if self.rank == 0:
+      self._wait_for_others(deadline_s=3 * TICK_S + 2)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+  def _wait_for_others(self, deadline_s: float) -> None:
+    """Until every other process has stopped beating (or finished), at most deadline_s."""
+    end, previous = time.monotonic() + deadline_s, None
+    while time.monotonic() < end:
+      try:
+        status = dict(self.client.key_value_dir_get(PREFIX))
+      except Exception:
+        return
+      beats = {r: status.get(f"{PREFIX}alive/{r}") for r in self.others
+               if f"{PREFIX}done/{r}" not in status}
+      if beats == previous:
+        return
+      previous = beats
+      time.sleep(1.5 * TICK_S)
+
+  def await_verdict(self) -> None:
+    """Gives the heartbeats time to name a dead or failed peer (which ends this process
+    with that message); returns if none is found. For an error from a collective: a peer
+    that died mid-step makes it fail here first, naming only a socket."""
+    self._thread.join(timeout=self.timeout_s + 2 * TICK_S)
+
+  def fail(self, message: str, code: int) -> None:
+    """This process failed: tells the others (they stop with `message`), then exits."""
+    self._failing = True
+    self._stopped.set()
+    self._publish("failed", message)
+    self._exit(code)
+
+  def finish(self) -> None:
+    """This process is done: the others stop expecting its heartbeat."""
+    if self._failing or self._stopped.is_set():
+      return
+    self._stopped.set()
+    self._thread.join(timeout=5)
+    self._publish("done", "1")
