@@ -186,6 +186,12 @@ class Checkpointer:
       multihost_utils.sync_global_devices("shardlab checkpoint set aside")
     self.manager.reload()
 
+  def check(self) -> None:
+    """Raises CheckpointWriteError if a save failed in the background; does not wait.
+    (Orbax's check_for_errors misses a failed commit; a finished save's wait returns it.)"""
+    if self._saving is not None and not self.manager.is_saving_in_progress():
+      self.wait()
+
   def wait(self) -> None:
     """Waits for the save in flight; raises CheckpointWriteError if it failed."""
     with self._failures(self._saving):

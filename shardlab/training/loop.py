@@ -148,6 +148,8 @@ def _loop(run: Run, compiled, state, first_step, first_batch, ckpt, logger, prof
         if logger.due(done):
           logger.log(done, metrics, counts)
         guard.check(counts, lambda: last_good(ckpt))
+        if ckpt is not None:
+          ckpt.check()  # a save that failed in the background ends the run now
       if saving:
         ckpt.save(state, config_json, _progress(run.cfg, done, counts["bad"]), force=True)
       if stopping:
