@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from shardlab.sharding.activations import constrain
+from shardlab.models import attention, dot
+from shardlab.sharding.activations import constrain, platform
 from shardlab.sharding.params import param
 
 # The logical axes of every activation a decoder constrains: the one list that the model,
@@ -67,10 +68,12 @@ def causal_mask(length: int, cache: KVCache | None, start):
   return jnp.arange(s)[None, :] <= start + jnp.arange(length)[:, None]
 
 
-def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask_LxM, cache_kv=None, index=None):
+def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask_LxM, cache_kv=None, index=None,
+           impl: str = "xla"):
   """Grouped-query attention (fp32 scores and softmax). With `cache_kv` (this layer's
   B×S×K×E key and value buffers) the new keys and values are written at `index`, the
-  queries attend over the buffers, and the updated buffers are returned too."""
+  queries attend over the buffers, and the updated buffers are returned too. Without a
+  cache, `impl` (model.attention) may pick the platform's flash kernel (models/attention)."""
   dt = q_BxLxHxE.dtype
   q = constrain(q_BxLxHxE, ACTIVATIONS["queries"])
   k = constrain(k_BxLxKxE, ACTIVATIONS["keys_values"])
@@ -80,15 +83,16 @@ def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask_LxM, cache_kv=None, index=None)
                                                           axis=1), ACTIVATIONS["kv_cache"][1:])
             for buf, new in zip(cache_kv, (k, v)))
     cache_kv = (k, v)
+  elif attention.resolve(impl, platform()) == "flash":
+    return constrain(attention.causal(q, k, v, platform()), ACTIVATIONS["queries"]), None
   b, l, h, e = q.shape
   kv = k.shape[2]
   # Query head i attends with kv head i // G (the layout of HF's repeat_kv).
   q_BxLxKxGxE = q.reshape(b, l, kv, h // kv, e)
-  scores = jnp.einsum("blkge,bmke->bkglm", q_BxLxKxGxE, k,
-                      preferred_element_type=jnp.float32) * e**-0.5
+  scores = dot.einsum("blkge,bmke->bkglm", q_BxLxKxGxE, k, jnp.float32) * e**-0.5
   scores = jnp.where(mask_LxM, scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-  out = jnp.einsum("bkglm,bmke->blkge", probs, v.astype(dt)).reshape(b, l, h, e)
+  out = dot.einsum("bkglm,bmke->blkge", probs, v.astype(dt)).reshape(b, l, h, e)
   return constrain(out, ACTIVATIONS["queries"]), cache_kv
 
 
@@ -124,13 +128,13 @@ def scan_blocks(blocks: nnx.Module, x_BxLxD, cache: KVCache | None, remat: str, 
 
 def logits(x_BxLxD, head_DxV):
   """fp32 logits B×L×V (fp32 accumulation of compute-dtype operands)."""
-  out = jnp.einsum("bld,dv->blv", x_BxLxD, head_DxV, preferred_element_type=jnp.float32)
+  out = dot.einsum("bld,dv->blv", x_BxLxD, head_DxV, jnp.float32)
   return constrain(out, ACTIVATIONS["logits"])
 
 
 def embed(table_VxD, tokens_BxL):
-  # Gather the table over `embed` (FSDP) before the lookup: a lookup into an embed-sharded
-  # table yields embed-sharded rows, and turning those into batch-sharded ones (and back,
-  # for the gradient) is a full rematerialisation when data and fsdp are both > 1.
-  x = jnp.take(constrain(table_VxD, ("vocab", None)), tokens_BxL, axis=0)
+  # Look rows up where the table is stored (embed-sharded under FSDP): XLA gathers the token
+  # ids and trades rows with one all-to-all, and the gradient is scattered into the local
+  # shard, rather than gathering the V×D table and all-reducing a V×D gradient.
+  x = jnp.take(table_VxD, tokens_BxL, axis=0)
   return constrain(x, ACTIVATIONS["residual"])

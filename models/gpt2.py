@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardlab.models import dot
 from shardlab.models.decoder import ACTIVATIONS, Block, KVCache, attend, causal_mask, embed
 from shardlab.models.decoder import logits
 from shardlab.models.decoder import scan_blocks, stacked_param as _param
@@ -50,13 +51,14 @@ class Attention(nnx.Module):
     fan_in = h * e * 2 * cfg.n_layers
     self.o_HxExD = _param(rngs, (h, e, d), ("heads", "head_dim", "embed"), fan_in, dtype, stack)
     self.o_bias_D = _param(rngs, (d,), ("embed",), "zeros", dtype, stack)
+    self.impl = cfg.attention
 
   def __call__(self, x_BxLxD, mask_LxM, index, cache_kv=None):
-    q, k, v = (jnp.einsum("bld,dhe->blhe", x_BxLxD, w[...]) + b[...]
+    q, k, v = (dot.einsum("bld,dhe->blhe", x_BxLxD, w[...]) + b[...]
                for w, b in ((self.q_DxHxE, self.q_bias_HxE), (self.k_DxHxE, self.k_bias_HxE),
                             (self.v_DxHxE, self.v_bias_HxE)))
-    out, cache_kv = attend(q, k, v, mask_LxM, cache_kv, index)
-    return jnp.einsum("blhe,hed->bld", out, self.o_HxExD[...]) + self.o_bias_D[...], cache_kv
+    out, cache_kv = attend(q, k, v, mask_LxM, cache_kv, index, self.impl)
+    return dot.einsum("blhe,hed->bld", out, self.o_HxExD[...]) + self.o_bias_D[...], cache_kv
 
 
 class MLP(nnx.Module):
@@ -69,9 +71,9 @@ class MLP(nnx.Module):
     self.proj_bias_D = _param(rngs, (d,), ("embed",), "zeros", dtype, stack)
 
   def __call__(self, x_BxLxD):
-    h = jnp.einsum("bld,df->blf", x_BxLxD, self.fc_DxF[...]) + self.fc_bias_F[...]
+    h = dot.einsum("bld,df->blf", x_BxLxD, self.fc_DxF[...]) + self.fc_bias_F[...]
     h_BxLxF = constrain(jax.nn.gelu(h, approximate=True), ACTIVATIONS["mlp_hidden"])
-    return jnp.einsum("blf,fd->bld", h_BxLxF, self.proj_FxD[...]) + self.proj_bias_D[...]
+    return dot.einsum("blf,fd->bld", h_BxLxF, self.proj_FxD[...]) + self.proj_bias_D[...]
 
 
 def block(cfg, dtype, rngs: nnx.Rngs, stack=()) -> Block:

@@ -8,8 +8,8 @@ import dataclasses
 
 from flax import nnx
 
-from shardlab.errors import ConfigError
-from shardlab.models import decoder, gpt2
+from shardlab.errors import ConfigError, unknown
+from shardlab.models import attention, decoder, gpt2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +21,7 @@ class GPT2Config:
   n_heads: int = 12
   max_seq_len: int = 1024  # n_positions: the learned position table's rows
   norm_eps: float = 1e-5
+  attention: str = "xla"  # "xla" | "flash" | "auto": models/attention.py
   arch: str = "gpt2"
 
   activations = decoder.ACTIVATIONS
@@ -39,6 +40,8 @@ class GPT2Config:
     for f in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
       if getattr(self, f) < 1:
         raise ConfigError(f"model.{f} must be >= 1, got {getattr(self, f)}")
+    if self.attention not in attention.IMPLEMENTATIONS:
+      raise unknown("model.attention", self.attention, attention.IMPLEMENTATIONS)
     if self.d_model % self.n_heads:
       raise ConfigError(f"model.d_model ({self.d_model}) must be a multiple of model.n_heads "
                         f"({self.n_heads})")

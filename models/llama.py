@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardlab.models import dot
 from shardlab.models.decoder import ACTIVATIONS, Block, KVCache, attend, causal_mask, embed
 from shardlab.models.decoder import logits
 from shardlab.models.decoder import scan_blocks, stacked_param as _param
@@ -57,15 +58,16 @@ class Attention(nnx.Module):
     self.k_DxKxE = _param(rngs, (d, k, e), ("embed", "kv_heads", "head_dim"), d, dtype, stack)
     self.v_DxKxE = _param(rngs, (d, k, e), ("embed", "kv_heads", "head_dim"), d, dtype, stack)
     self.o_HxExD = _param(rngs, (h, e, d), ("heads", "head_dim", "embed"), h * e, dtype, stack)
+    self.impl = cfg.attention
 
   def __call__(self, x_BxLxD, cos, sin, mask_LxM, index, cache_kv=None):
     """Attention output (and, with `cache_kv`, this layer's updated key/value buffers)."""
-    q = jnp.einsum("bld,dhe->blhe", x_BxLxD, self.q_DxHxE[...])
-    k = jnp.einsum("bld,dke->blke", x_BxLxD, self.k_DxKxE[...])
-    v = jnp.einsum("bld,dke->blke", x_BxLxD, self.v_DxKxE[...])
+    q = dot.einsum("bld,dhe->blhe", x_BxLxD, self.q_DxHxE[...])
+    k = dot.einsum("bld,dke->blke", x_BxLxD, self.k_DxKxE[...])
+    v = dot.einsum("bld,dke->blke", x_BxLxD, self.v_DxKxE[...])
     out, cache_kv = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, mask_LxM,
-                           cache_kv, index)
-    return jnp.einsum("blhe,hed->bld", out, self.o_HxExD[...]), cache_kv
+                           cache_kv, index, self.impl)
+    return dot.einsum("blhe,hed->bld", out, self.o_HxExD[...]), cache_kv
 
 
 class MLP(nnx.Module):
@@ -77,10 +79,10 @@ class MLP(nnx.Module):
     self.down_FxD = _param(rngs, (f, d), ("mlp", "embed"), f, dtype, stack)
 
   def __call__(self, x_BxLxD):
-    gate = jnp.einsum("bld,df->blf", x_BxLxD, self.gate_DxF[...])
-    up = jnp.einsum("bld,df->blf", x_BxLxD, self.up_DxF[...])
+    gate = dot.einsum("bld,df->blf", x_BxLxD, self.gate_DxF[...])
+    up = dot.einsum("bld,df->blf", x_BxLxD, self.up_DxF[...])
     h_BxLxF = constrain(jax.nn.silu(gate) * up, ACTIVATIONS["mlp_hidden"])
-    return jnp.einsum("blf,fd->bld", h_BxLxF, self.down_FxD[...])
+    return dot.einsum("blf,fd->bld", h_BxLxF, self.down_FxD[...])
 
 
 def block(cfg, dtype, rngs: nnx.Rngs, stack=()) -> Block:

@@ -8,8 +8,8 @@ import dataclasses
 
 from flax import nnx
 
-from shardlab.errors import ConfigError
-from shardlab.models import decoder, llama
+from shardlab.errors import ConfigError, unknown
+from shardlab.models import attention, decoder, llama
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +26,7 @@ class LlamaConfig:
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
   max_seq_len: int = 2048
+  attention: str = "xla"  # "xla" | "flash" | "auto": models/attention.py
   arch: str = "llama"
 
   # What the core asks of a bundled model.
@@ -48,6 +49,8 @@ class LlamaConfig:
               "mlp_dim", "max_seq_len"):
       if getattr(self, f) < 1:
         raise ConfigError(f"model.{f} must be >= 1, got {getattr(self, f)}")
+    if self.attention not in attention.IMPLEMENTATIONS:
+      raise unknown("model.attention", self.attention, attention.IMPLEMENTATIONS)
     if self.n_heads % self.n_kv_heads:
       raise ConfigError(
           f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads "

@@ -125,7 +125,8 @@ RESUME_FIELDS = ("model", "train.optimizer", "train.b1", "train.b2", "train.eps"
                  "train.weight_decay", "train.decay_norms_and_embeddings", "train.clip_norm",
                  "train.precision", "train.grad_dtype", "train.global_batch", "train.seq_len",
                  "train.microbatches", "train.seed", "data")
-RESUME_IGNORED = ("model.name",)  # a label: the same model from another TOML file is fine
+# A label (the same model from another TOML file is fine), and an implementation choice.
+RESUME_IGNORED = ("model.name", "model.attention")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

@@ -48,8 +48,11 @@ def test_every_strategy_matches_one_device(strategy):
   final, history = r.train(r.fresh_state(), STEPS)
   for got, expected in zip(history, want_history):
     np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5)
+  # 3e-5 of each leaf's largest entry: a position-table entry whose gradient is rounding
+  # noise moves by Adam's full step, whichever the reduction order (seen: 1.4e-5 under
+  # fsdp_tp, whose lookup reads the table where it is stored).
   H.assert_trees_close(without_key_bias(final.params), without_key_bias(want.params),
-                       rtol=1e-5, scaled_atol=1e-5, what=f"{strategy} params ")
+                       rtol=1e-5, scaled_atol=3e-5, what=f"{strategy} params ")
 
 
 def without_key_bias(params):

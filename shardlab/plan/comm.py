@@ -103,32 +103,42 @@ def param_transfers(abstract, rules: rules_lib.Rules, mesh, policy, microbatches
       out.append(Transfer("all-gather", elems // _shards(w_axes, mesh) * wire, whole,
                           f"{label} working copy"))
     gather = tuple(sorted(a for a in w_axes - c_axes if mesh.shape[a] > 1))
-    if gather:
-      # Layers: forward and backward. A tied table: for the lookup and for the head (XLA
-      # gathers each use in its own layout). Other weights: once, kept for the backward.
-      uses = 2 if (n and n[0] == "layers") or (tied and tuple(n) == EMBEDDING) else 1
-      times = uses * microbatches
-      out.append(Transfer("all-gather", times * c_elems * wire, gather,
+    table = tuple(n) == EMBEDDING
+    # Layers: forward and backward. The embedding table is looked up where it is stored
+    # (its rows travel, not the table); tied, it is gathered once more as the head. Other
+    # weights: once, kept for the backward.
+    uses = 2 if n and n[0] == "layers" else 0 if table and not tied else 1
+    if gather and uses:
+      out.append(Transfer("all-gather", uses * microbatches * c_elems * wire, gather,
                           f"{label} for compute"))
-    reduce = batch - c_axes
-    if reduce:
-      scatter = tuple(sorted(a for a in reduce if a in g_axes))
-      rest = tuple(sorted(reduce - set(scatter)))
-      # A tied table gets two gradients, the lookup's scatter-add and the head's matmul,
-      # each reduced on its own (XLA merges them only sometimes).
-      contributions = 2 if tied and tuple(n) == EMBEDDING else 1
-      g_bytes = c_elems * wire * microbatches * contributions
-      if scatter and reduce_scatter:
-        out.append(Transfer("reduce-scatter", g_bytes, scatter, f"{label} grad"))
-        if rest:
-          out.append(Transfer("all-reduce", g_bytes / _shards(scatter, mesh), rest,
-                              f"{label} grad"))
-      else:
-        out.append(Transfer("all-reduce", g_bytes, tuple(sorted(reduce)), f"{label} grad"))
+    # The lookup's gradient is scattered into the stored shard, reduced only over the batch
+    # axes that shard does not split; a head's (or any weight's) over those it is not
+    # computed split on.
+    grads = [(batch - w_axes, elems // _shards(w_axes, mesh))] if table else []
+    if not table or tied:
+      grads.append((batch - c_axes, c_elems))
+    for reduce, g_elems in grads:
+      if reduce:
+        out.extend(_reduction(reduce, g_axes, g_elems * wire * microbatches, mesh,
+                              reduce_scatter, f"{label} grad"))
     regather = tuple(sorted(a for a in o_axes - p_axes if mesh.shape[a] > 1))
     if regather:
       out.append(Transfer("all-gather", elems // _shards(p_axes, mesh) * pbytes, regather,
                           f"{label} after the update"))
+  return out
+
+
+def _reduction(reduce: set, g_axes: set, g_bytes: float, mesh, reduce_scatter: bool,
+               what: str) -> list[Transfer]:
+  """A gradient's partial sums over `reduce`: reduce-scattered onto the axes its sharding
+  keeps (where the backend can), all-reduced over the rest."""
+  scatter = tuple(sorted(a for a in reduce if a in g_axes))
+  rest = tuple(sorted(reduce - set(scatter)))
+  if not (scatter and reduce_scatter):
+    return [Transfer("all-reduce", g_bytes, tuple(sorted(reduce)), what)]
+  out = [Transfer("reduce-scatter", g_bytes, scatter, what)]
+  if rest:
+    out.append(Transfer("all-reduce", g_bytes / _shards(scatter, mesh), rest, what))
   return out
 
 

@@ -165,9 +165,9 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
   grad_dtype = precision_lib.gradient_dtype(policy, train.grad_dtype)
   state = plan_memory.model_state(abstract, sh, policy, train.microbatches, grad_dtype)
   batch_shards = math.prod(mesh.shape[a] for a in rules.batch_axes if a in mesh.shape)
+  gathered, head_gathered = _gathered_bytes(abstract, rules, mesh, p)
   acts, batch_bytes, shapes = plan_memory.activation_memory(model, train, p, rules.activations,
-                                                            mesh)
-  gathered = _gathered_bytes(abstract, rules, mesh, p)
+                                                            mesh, head_gathered)
   memory = plan_memory.Memory(activations=acts, gathered=gathered, batch=batch_bytes, **state)
 
   transfers = (plan_comm.param_transfers(abstract, rules, mesh, policy,
@@ -200,14 +200,15 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
                                               grad_dtype))
 
 
-def _gathered_bytes(abstract, rules, mesh, p: int) -> float:
+def _gathered_bytes(abstract, rules, mesh, p: int) -> tuple[float, float]:
   """Weights FSDP gathers for compute, at the step's peak (compute dtype): one layer's (a
   slice of the stacked leaves) twice — the gathered weights and, in the backward pass, their
   gradients before the reduce-scatter, which XLA's buffer assignment (CPU and TPU) holds
   beside them — and one vocabulary table, the output head (or the tied table), gathered
-  until the loss is done; the untied embedding is freed after its lookup. A ZeRO-1/2 working
-  copy is gathered whole already (counted as the params), but XLA re-lays out the gathered
-  leaves, so the largest is live twice while it is copied (seen on CPU)."""
+  until the loss is done; the embedding is looked up where it is stored. A ZeRO-1/2 working
+  copy is gathered whole already (counted as the params), but XLA re-lays out the largest
+  gathered layer leaf, live twice while it is copied (seen on CPU). Returns the total and its
+  largest single buffer, which the output head's gradient takes over once it is dead."""
   names = jax.tree.leaves(abstract.names, is_leaf=lambda x: isinstance(x, tuple))
   read = rules.activations if rules.working is None else rules.working
   layer, outer = 0.0, [0.0]
@@ -217,11 +218,13 @@ def _gathered_bytes(abstract, rules, mesh, p: int) -> float:
     if not {a for a in p_axes - c_axes if mesh.shape[a] > 1}:
       continue
     elems = math.prod(leaf.shape) // plan_comm._shards(c_axes, mesh)
-    if n[0] == "layers" and rules.working is None:
+    if rules.working is not None:
+      outer.append(elems * p if n[0] == "layers" else 0)
+    elif n[0] == "layers":
       layer += elems * p / leaf.shape[0]
     else:
       outer.append(elems * p)
-  return 2 * layer + max(outer)
+  return 2 * layer + max(outer), max(outer)
 
 
 def _hbm_traffic(memory: plan_memory.Memory, a, model, train, p: int) -> float:

@@ -202,23 +202,29 @@ def layer_backward_transient(a: ActivationShapes, p: int, remat: str, m=None) ->
   return max(rebuilt - layer_saved_bytes(a, p, remat, m), 0.0)
 
 
-def head_transient(a: ActivationShapes, p: int) -> float:
-  """The loss stage's backward: two fp32 logits-sized buffers (the softmax XLA keeps and the
-  logits' gradient) and the final norm's."""
-  return a.logits * 4 * 2 + a.d * (8 + p)
+def loss_transients(a: ActivationShapes, p: int) -> tuple[float, float]:
+  """The loss stage (models/lm.py's fused cross-entropy): forward, the fp32 logits beside
+  the softmax it keeps (compute dtype); backward, that softmax turned in place into the
+  logits' gradient, with the final norm's buffers."""
+  return a.logits * (4 + p), a.logits * p + a.d * (8 + p)
 
 
-def activation_memory(m, t: TrainConfig, p: int, table: dict,
-                      mesh) -> tuple[float, float, ActivationShapes]:
+def activation_memory(m, t: TrainConfig, p: int, table: dict, mesh,
+                      head_gathered: float = 0.0) -> tuple[float, float, ActivationShapes]:
   """(activation bytes per device at the step's peak, token-batch bytes, shapes).
 
-  On top of what every layer keeps: the larger of the loss stage and one layer's backward,
-  and the output head's fp32 weight gradient, whole over the batch axes, which XLA holds
-  from the loss stage through the layers' backward pass (it reduces it with the others, at
-  the end; the embedding lookup's gradient comes last, once the layers' buffers are free)."""
+  On top of what every layer keeps: the largest of the loss stage's forward, its backward and
+  one layer's backward — the last two beside the output head's fp32 weight gradient, whole
+  over the batch axes, which XLA holds from the loss stage through the layers' backward pass
+  (it reduces it with the others, at the end; the embedding lookup's gradient comes last,
+  once the layers' buffers are free). That gradient takes the place of the largest gathered
+  buffer (`head_gathered` bytes, counted with the gathered weights: under FSDP the head
+  itself, dead once the logits' input gradient is computed)."""
   a = activation_shapes(m, t.global_batch // t.microbatches, t.seq_len, table, mesh)
   saved = m.n_layers * layer_saved_bytes(a, p, t.remat, m) + a.d * p  # + embedding output
-  transient = max(layer_backward_transient(a, p, t.remat, m), head_transient(a, p))
-  peak = saved + transient + a.head * 4
+  loss_forward, loss_backward = loss_transients(a, p)
+  transient = max(loss_forward, max(layer_backward_transient(a, p, t.remat, m),
+                                    loss_backward) + a.head * 4 - head_gathered)
+  peak = saved + transient
   batch = a.tokens * t.microbatches * 4  # the whole step's int32 tokens
   return peak, batch, a

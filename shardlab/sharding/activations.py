@@ -36,6 +36,13 @@ def constrain(x: jax.Array, names: tuple) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, pspec))
 
 
+def platform() -> str:
+  """The platform a step is traced for: the active mesh's (a TPU topology compiled from a
+  CPU host), else JAX's default backend."""
+  active = _ACTIVE.get()
+  return active[0].devices.flat[0].platform if active else jax.default_backend()
+
+
 def current(names: tuple, shape) -> tuple[Mesh, PartitionSpec] | None:
   """The active mesh and the PartitionSpec `names` resolve to for `shape` (None outside
   `activation_rules`): what hand-written shard_map code needs to match `constrain`."""
