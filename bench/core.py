@@ -7,7 +7,8 @@ strategies  tokens/s and median step time per strategy on 8 devices, against the
             and global batch on 1 device (tiny preset, 16 × 128 tokens by default);
 flops       achieved model FLOP/s of the 1-device step against a jitted fp32 matmul's;
 peer        the peer-reference config (llama-style, 4 × d256, vocab 32k, seq 256, batch 8,
-            AdamW, fsdp:8) in bf16 and in fp32, with compiled memory per device.
+            AdamW, bf16, fsdp:8) at remat full and none, alternating with MaxText when its
+            venv exists (bench/peer.py), with compiled memory per device.
 Every timed step runs after compilation (AOT) and `--warmup` untimed steps, and each is
 waited for with block_until_ready. The last line printed is the results as JSON.
 """
@@ -60,10 +61,12 @@ def memory(compiled) -> dict:
 
 
 def run_train(model_cfg, mesh_text: str, strategy: str, batch: int, seq: int, precision: str,
-              steps: int, warmup: int, devices=None, loss_chunk: int = 0) -> dict:
+              steps: int, warmup: int, devices=None, loss_chunk: int = 0,
+              remat: str = "none") -> dict:
   """Compiles one train step, runs `warmup` untimed steps, then times `steps` steps."""
   train = config.TrainConfig(global_batch=batch, seq_len=seq, precision=precision,
-                             steps=warmup + steps + 1, loss_chunk=loss_chunk)
+                             steps=warmup + steps + 1, loss_chunk=loss_chunk,
+                             remat=remat)
   cfg = config.Config(model=model_cfg, mesh=mesh_text, strategy=strategy, train=train)
   the_mesh = mesh.build(mesh.parse_inline(mesh_text), devices=devices)
   abstract = run_lib.abstract_state(cfg)
@@ -77,17 +80,18 @@ def run_train(model_cfg, mesh_text: str, strategy: str, batch: int, seq: int, pr
   compiled = run_lib.make_steps(cfg, abstract, sh)[0].lower(state, tokens).compile()
   compile_s = time.perf_counter() - t0
 
-  times = []
+  times, cpu_times = [], []
   for i in range(warmup + steps):
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     state, metrics = compiled(state, tokens)
     jax.block_until_ready((state, metrics))
     if i >= warmup:
       times.append(time.perf_counter() - t0)
+      cpu_times.append(time.process_time() - c0)
   step_s = statistics.median(times)
   return {"mesh": mesh_text, "strategy": strategy, "precision": precision,
           "devices": the_mesh.devices.size, "batch": batch, "seq": seq,
-          "step_s": step_s, "tokens_per_s": batch * seq / step_s, "compile_s": compile_s,
+          "step_s": step_s, "cpu_s": statistics.median(cpu_times), "tokens_per_s": batch * seq / step_s, "compile_s": compile_s,
           "timed_steps": f"{warmup + 1}-{warmup + steps}", "loss": float(metrics["loss"]),
           "memory": memory(compiled)}
 
@@ -150,20 +154,12 @@ def bench_flops(args, one_device: dict) -> dict:
 
 
 def bench_peer(args) -> list[dict]:
-  rows = [run_train(PEER_MODEL, "fsdp:8", "fsdp", 8, 256, p, args.steps, args.warmup,
-                    loss_chunk=chunk) | {"loss_chunk": chunk}
-          for p, chunk in (("bf16", 0), ("bf16", 64), ("fp32", 0))]
-  for r in rows:
-    r["step_ms"] = r["step_s"] * 1e3
-    r.update({f"{k}_mib": v / MiB for k, v in r["memory"].items()})
-  print(f"\n== peer reference: vocab 32000, d256, 4 layers, 4 heads, mlp 1024; 8×256 "
-        f"tokens/step, AdamW, fsdp:8; median of steps {rows[0]['timed_steps']} ==")
-  print(table(rows, [("precision", "precision", "s"), ("loss chunk", "loss_chunk", "d"),
-                     ("step ms", "step_ms", ".1f"),
-                     ("tokens/s", "tokens_per_s", ",.0f"), ("compile s", "compile_s", ".1f"),
-                     ("arg MiB", "argument_mib", ".2f"), ("out MiB", "output_mib", ".2f"),
-                     ("alias MiB", "alias_mib", ".2f"), ("temp MiB", "temp_mib", ".2f"),
-                     ("total/dev MiB", "total_mib", ".2f"), ("loss", "loss", ".3f")]))
+  import peer  # bench/peer.py
+
+  print(f"\n== peer reference (bench/peer.py): shardlab vs MaxText, alternating, "
+        f"{args.peer_rounds} round(s) ==\n" + peer.__doc__.split("\n\n")[1])
+  rows = peer.compare(args.peer_rounds, list(peer.REMAT), args.steps, args.warmup)
+  peer.print_table(rows)
   return rows
 
 
@@ -175,6 +171,8 @@ def main():
   parser.add_argument("--seq", type=int, default=128, help="sequence length (strategies, flops)")
   parser.add_argument("--only", nargs="+", choices=("strategies", "flops", "peer"),
                       default=["strategies", "flops", "peer"])
+  parser.add_argument("--peer-rounds", type=int, default=2,
+                      help="alternating shardlab/MaxText rounds in the peer comparison")
   parser.add_argument("--json", type=Path, help="also write the results here")
   args = parser.parse_args()
   if args.steps < 1 or args.warmup < 0:
