@@ -89,11 +89,40 @@ def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask_LxM, cache_kv=None, index=None,
   kv = k.shape[2]
   # Query head i attends with kv head i // G (the layout of HF's repeat_kv).
   q_BxLxKxGxE = q.reshape(b, l, kv, h // kv, e)
-  scores = dot.einsum("blkge,bmke->bkglm", q_BxLxKxGxE, k, jnp.float32) * e**-0.5
-  scores = jnp.where(mask_LxM, scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-  out = dot.einsum("bkglm,bmke->blkge", probs, v.astype(dt)).reshape(b, l, h, e)
+  out = _softmax_attention(q_BxLxKxGxE, k.astype(dt), v.astype(dt), mask_LxM)
+  out = out.reshape(b, l, h, e)
   return constrain(out, ACTIVATIONS["queries"]), cache_kv
+
+
+# Softmax attention with its gradient written out (FlashAttention's backward, unblocked):
+# fp32 scores and softmax, of which only the probabilities in the compute dtype are kept for
+# the backward (autodiff keeps the fp32 softmax too, and rebuilds an fp32 cotangent of it).
+@jax.custom_vjp
+def _softmax_attention(q_BxLxKxGxE, k_BxMxKxE, v_BxMxKxE, mask_LxM):
+  return _attention_forward(q_BxLxKxGxE, k_BxMxKxE, v_BxMxKxE, mask_LxM)[0]
+
+
+def _attention_forward(q, k, v, mask_LxM):
+  scores = dot.einsum("blkge,bmke->bkglm", q, k, jnp.float32) * q.shape[-1]**-0.5
+  scores = jnp.where(mask_LxM, scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+  return dot.einsum("bkglm,bmke->blkge", probs, v), (q, k, v, mask_LxM, probs)
+
+
+def _attention_backward(residuals, d_out):
+  q, k, v, mask_LxM, probs = residuals
+  d_out = d_out.astype(q.dtype)
+  d_v = dot.einsum("bkglm,blkge->bmke", probs, d_out)
+  d_probs = dot.einsum("blkge,bmke->bkglm", d_out, v).astype(jnp.float32)
+  p = probs.astype(jnp.float32)
+  d_scores = p * (d_probs - jnp.sum(p * d_probs, axis=-1, keepdims=True))
+  d_scores = (d_scores * q.shape[-1]**-0.5).astype(q.dtype)
+  d_q = dot.einsum("bkglm,bmke->blkge", d_scores, k)
+  d_k = dot.einsum("bkglm,blkge->bmke", d_scores, q)
+  return d_q, d_k, d_v, None
+
+
+_softmax_attention.defvjp(_attention_forward, _attention_backward)
 
 
 class Block(nnx.Module):

@@ -30,9 +30,10 @@ class GPT2Config:
   tie_embeddings = True
   # For the planner, as in LlamaConfig (print_saved_residuals of this model): per LayerNorm
   # three fp32 tensors (x − mean, its square's cotangent factor, the normalised x) and its
-  # output; q, k, v, the attention output; the fp32 softmax and the probabilities; the GELU
+  # output; q, k, v, the attention output; the probabilities (the softmax's gradient is
+  # written out, models/decoder.py); the GELU
   # (tanh) MLP's six F-wide intermediates. Matmul outputs kept: o-proj, q, k, v and fc.
-  saved_activations = {"d": (6, 2), "q": (0, 2), "kv": (0, 2), "scores": (1, 1),
+  saved_activations = {"d": (6, 2), "q": (0, 2), "kv": (0, 2), "scores": (0, 1),
                        "mlp": (0, 6)}
   saved_matmul_outputs = {"d": 1, "q": 1, "kv": 2, "mlp": 1}
 

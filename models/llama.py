@@ -8,6 +8,8 @@ Shape suffixes: B batch, L length, D d_model, H heads, K kv heads, E head_dim, F
 V vocab, N layers.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -29,9 +31,34 @@ class RMSNorm(nnx.Module):
     self.eps = cfg.norm_eps
 
   def __call__(self, x_BxLxD):
-    x = x_BxLxD.astype(jnp.float32)
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-    return (x * self.scale[...].astype(jnp.float32)).astype(x_BxLxD.dtype)
+    return rms_norm(x_BxLxD, self.scale[...], self.eps)
+
+
+# RMSNorm with its gradient written out: the backward keeps the input (compute dtype) and one
+# fp32 scalar per position, where autodiff keeps fp32 copies of the input and x·rsqrt.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rms_norm(x_BxLxD, scale_D, eps: float):
+  return _rms_norm_forward(x_BxLxD, scale_D, eps)[0]
+
+
+def _rms_norm_forward(x_BxLxD, scale_D, eps):
+  x = x_BxLxD.astype(jnp.float32)
+  r_BxLx1 = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+  y = (x * r_BxLx1 * scale_D.astype(jnp.float32)).astype(x_BxLxD.dtype)
+  return y, (x_BxLxD, scale_D, r_BxLx1)
+
+
+def _rms_norm_backward(eps, residuals, d_y):
+  x_BxLxD, scale_D, r = residuals
+  n = x_BxLxD.astype(jnp.float32) * r
+  d = d_y.astype(jnp.float32)
+  d_scale = jnp.sum(d * n, axis=tuple(range(d.ndim - 1)))
+  d_n = d * scale_D.astype(jnp.float32)
+  d_x = r * (d_n - n * jnp.mean(d_n * n, axis=-1, keepdims=True))
+  return d_x.astype(x_BxLxD.dtype), d_scale.astype(scale_D.dtype)
+
+
+rms_norm.defvjp(_rms_norm_forward, _rms_norm_backward)
 
 
 def rope_tables(positions_BxL, head_dim: int, theta: float):
@@ -81,8 +108,31 @@ class MLP(nnx.Module):
   def __call__(self, x_BxLxD):
     gate = dot.einsum("bld,df->blf", x_BxLxD, self.gate_DxF[...])
     up = dot.einsum("bld,df->blf", x_BxLxD, self.up_DxF[...])
-    h_BxLxF = constrain(jax.nn.silu(gate) * up, ACTIVATIONS["mlp_hidden"])
+    h_BxLxF = constrain(swiglu(gate, up), ACTIVATIONS["mlp_hidden"])
     return dot.einsum("blf,fd->bld", h_BxLxF, self.down_FxD[...])
+
+
+# silu(gate)·up with its gradient written out, so that only gate and up are kept for the
+# backward (autodiff keeps silu's internals and silu(gate) too: four more B×L×F residuals,
+# in fp32 where the backend computes bf16 elementwise in fp32).
+@jax.custom_vjp
+def swiglu(gate, up):
+  return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
+
+
+def _swiglu_forward(gate, up):
+  return swiglu(gate, up), (gate, up)
+
+
+def _swiglu_backward(residuals, d_h):
+  gate, up = residuals
+  g, u, d = (t.astype(jnp.float32) for t in (gate, up, d_h))
+  sig = jax.nn.sigmoid(g)
+  d_gate = d * u * sig * (1 + g * (1 - sig))
+  return d_gate.astype(gate.dtype), (d * g * sig).astype(up.dtype)
+
+
+swiglu.defvjp(_swiglu_forward, _swiglu_backward)
 
 
 def block(cfg, dtype, rngs: nnx.Rngs, stack=()) -> Block:

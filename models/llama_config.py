@@ -35,13 +35,13 @@ class LlamaConfig:
   remat_policies = tuple(decoder.REMAT_POLICIES)
   # What autodiff saves per layer, for the planner (shardlab/plan/memory.py), by shape — d
   # B×L×D, q B×L×H×E, kv B×L×K×E, scores B×H×L×L, mlp B×L×F — as (fp32, compute-dtype)
-  # counts; read off jax.ad_checkpoint.print_saved_residuals of this model. Per RMSNorm its
-  # fp32 input and x·rsqrt, and its output; roped q and k, v, the attention output; the fp32
-  # softmax and the probabilities; SwiGLU's gate, up, silu's two internals, silu(gate) and
-  # the product. With remat save-matmul-outputs: the weight matmuls' outputs that backward
-  # reads (o-proj's, not down's), beside the layer input.
-  saved_activations = {"d": (4, 2), "q": (0, 2), "kv": (0, 2), "scores": (1, 1),
-                       "mlp": (0, 6)}
+  # counts; read off jax.ad_checkpoint.print_saved_residuals of this model. Each RMSNorm's
+  # input and output (its backward keeps one fp32 scalar a position besides); q, k, v, the
+  # attention output and the probabilities (the softmax's gradient is written out); SwiGLU's
+  # gate and up, and the down-projection's input. With remat save-matmul-outputs: the weight
+  # matmuls' outputs that backward reads (o-proj's, not down's), beside the layer input.
+  saved_activations = {"d": (0, 4), "q": (0, 2), "kv": (0, 2), "scores": (0, 1),
+                       "mlp": (0, 3)}
   saved_matmul_outputs = {"d": 1, "q": 1, "kv": 2, "mlp": 2}
 
   def __post_init__(self):

@@ -30,6 +30,11 @@ def test_two_inferred_axes():
     mesh.parse_inline("fsdp:-1,tensor:-1")
 
 
+def test_an_axis_given_twice():
+  with pytest.raises(ConfigError, match=r"mesh 'fsdp:2,fsdp:4': axis 'fsdp' is given twice"):
+    mesh.parse_inline("fsdp:2,fsdp:4")
+
+
 def test_inferred_axis_that_cannot_divide():
   with pytest.raises(ConfigError, match=r"-1 axis cannot be inferred: 8 devices .* \(3\)"):
     mesh.build(mesh.parse_inline("fsdp:-1,tensor:3"))

@@ -190,14 +190,14 @@ def layer_backward_transient(a: ActivationShapes, p: int, remat: str, m=None) ->
   Without remat: the largest cotangents (SwiGLU's three F-wide gradients, or attention's fp32
   score gradient and its cast) plus two residual-stream gradients. With remat: the layer's
   residuals rebuilt, live while its backward runs — the residual stream's throughout, then
-  the MLP's with its three F-wide gradients, then attention's with the fp32 score gradient
-  (XLA's buffer assignment on CPU shows three fp32 score buffers at once: 12 bytes a score
-  in fp32), whichever is larger.
+  the MLP's with its three F-wide gradients, then attention's with the fp32 scores and their
+  gradient beside the kept probabilities (fitted to XLA:CPU's buffer assignment across the
+  reference grid: 10 bytes a score), whichever is larger.
   """
   if remat == "none":
     return max(a.mlp * 3 * p, a.scores * (4 + p)) + a.d * 2 * p
   part = dict.fromkeys(("d", "q", "kv", "scores", "mlp"), 0.0) | _saved_by_shape(a, p, m)
-  attention = part["q"] + part["kv"] + part["scores"] + a.scores * 4
+  attention = part["q"] + part["kv"] + part["scores"] + a.scores * 10
   rebuilt = part["d"] + max(part["mlp"] + a.mlp * 3 * p, attention)
   return max(rebuilt - layer_saved_bytes(a, p, remat, m), 0.0)
 

@@ -102,6 +102,8 @@ def parse_inline(text: str) -> MeshSpec:
     except ValueError:
       raise ConfigError(f"mesh {text!r}: expected axis:size, got {item!r}") from None
     part, axis = (dcn, key[4:]) if key.startswith("dcn.") else (ici, key)
+    if axis in part:
+      raise ConfigError(f"mesh {text!r}: axis {key!r} is given twice; give each axis once")
     part[axis] = size
   return _validate(MeshSpec(ici=ici, dcn=dcn, name=text))
 
