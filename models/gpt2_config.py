@@ -41,6 +41,8 @@ class GPT2Config:
     for f in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
       if getattr(self, f) < 1:
         raise ConfigError(f"model.{f} must be >= 1, got {getattr(self, f)}")
+    if not self.norm_eps > 0:
+      raise ConfigError(f"model.norm_eps must be > 0, got {self.norm_eps}")
     if self.attention not in attention.IMPLEMENTATIONS:
       raise unknown("model.attention", self.attention, attention.IMPLEMENTATIONS)
     if self.d_model % self.n_heads:

@@ -49,6 +49,9 @@ class LlamaConfig:
               "mlp_dim", "max_seq_len"):
       if getattr(self, f) < 1:
         raise ConfigError(f"model.{f} must be >= 1, got {getattr(self, f)}")
+    if not self.rope_theta > 0 or not self.norm_eps > 0:
+      raise ConfigError(f"model.rope_theta and model.norm_eps must be > 0, got "
+                        f"{self.rope_theta} and {self.norm_eps}")
     if self.attention not in attention.IMPLEMENTATIONS:
       raise unknown("model.attention", self.attention, attention.IMPLEMENTATIONS)
     if self.n_heads % self.n_kv_heads:

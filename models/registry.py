@@ -48,7 +48,10 @@ def load(name_or_file: str):
   except tomllib.TOMLDecodeError as e:
     raise ConfigError(f"model file {name_or_file!r} is not valid TOML: {e}") from None
   data.setdefault("name", stem)
-  return from_dict(data)
+  try:
+    return from_dict(data)
+  except ConfigError as e:
+    raise ConfigError(f"model file {name_or_file!r}: {e}") from None
 
 
 def run_config_from_dict(data: dict) -> config_lib.Config:

@@ -45,6 +45,16 @@ class TrainConfig:
               "max_skipped"):
       if getattr(self, f) < 1:
         raise ConfigError(f"train.{f} must be >= 1, got {getattr(self, f)}")
+    bounds = {"lr": (lambda v: v > 0, "> 0"), "clip_norm": (lambda v: v > 0, "> 0"),
+              "eps": (lambda v: v > 0, "> 0"), "b1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+              "b2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+              "weight_decay": (lambda v: v >= 0, ">= 0"),
+              "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+              "warmup_steps": (lambda v: v >= 0, ">= 0"),
+              "seed": (lambda v: 0 <= v < 2**63, "in [0, 2**63)")}
+    for f, (ok, valid) in bounds.items():
+      if not ok(getattr(self, f)):
+        raise ConfigError(f"train.{f} must be {valid}, got {getattr(self, f)}")
     if self.loss_chunk < 0 or (self.loss_chunk and self.seq_len % self.loss_chunk):
       raise ConfigError(f"train.loss_chunk ({self.loss_chunk}) must be 0 (off) or divide "
                         f"train.seq_len ({self.seq_len})")
@@ -169,6 +179,11 @@ def from_dict(cls, data: dict, where: str = "", **given):
     else:
       value = _coerce(value, hint, f"{where}{key}")
     kwargs[key] = value
+  missing = [f.name for f in fields.values() if f.name not in kwargs and f.init and
+             f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+  if missing:
+    raise ConfigError(f"missing {', '.join(where + m for m in missing)} (no default; "
+                      f"every field of {cls.__name__} without one must be given)")
   return cls(**kwargs)
 
 

@@ -166,3 +166,42 @@ def test_nonfinite_and_checkpoint_options_are_checked():
     config.apply_overrides(tiny(), ["train.max_skipped=0"])
   with pytest.raises(ConfigError, match=r"checkpoint.strict must be bool, got 'yes'"):
     config.apply_overrides(tiny(), ["checkpoint.strict=yes"])
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("lr", -1.0, r"train.lr must be > 0, got -1.0"),
+    ("clip_norm", -1.0, r"train.clip_norm must be > 0, got -1.0"),
+    ("b2", 1.5, r"train.b2 must be in \[0, 1\), got 1.5"),
+    ("warmup_steps", -1, r"train.warmup_steps must be >= 0, got -1"),
+    ("min_lr_ratio", 2.0, r"train.min_lr_ratio must be in \[0, 1\], got 2.0"),
+    ("seed", -1, r"train.seed must be in \[0, 2\*\*63\), got -1"),
+    ("seed", 10**20, r"train.seed must be in \[0, 2\*\*63\), got 100000000000000000000"),
+])
+def test_train_values_out_of_range(field, value, message):
+  with pytest.raises(ConfigError, match=message):
+    config.TrainConfig(**{field: value})
+
+
+def test_model_file_errors_name_the_file_and_the_fields(tmp_path):
+  path = tmp_path / "half.toml"
+  path.write_text("vocab_size = 256\nd_model = 64\n")
+  with pytest.raises(ConfigError, match=r"model file '.*half.toml': missing model.n_layers, "
+                                        r"model.n_heads, .*model.mlp_dim"):
+    registry.load(str(path))
+  with pytest.raises(ConfigError, match=r"model.rope_theta and model.norm_eps must be > 0"):
+    dataclasses.replace(registry.load("tiny"), rope_theta=-1.0)
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"params": "tensor"}, r"rules.params must be a table of logical axis = mesh axes"),
+    ({"params": {"mlp": 5}}, r"rules.params.mlp must be a mesh axis name, a list of them"),
+])
+def test_malformed_rule_overrides(override, message):
+  with pytest.raises(ConfigError, match=message):
+    rules.strategy("fsdp", override)
+
+
+def test_plan_names_an_unknown_strategy_before_asking_for_a_mesh():
+  from shardlab.plan import planner
+  with pytest.raises(ConfigError, match=r"unknown strategy 'nosuch'"):
+    planner.Request(model="tiny", strategy="nosuch")

@@ -46,6 +46,7 @@ class Request:
   def __post_init__(self):
     if self.devices is not None and self.devices < 1:
       raise ConfigError(f"devices must be >= 1, got {self.devices}")
+    rules_lib.strategy(self.strategy, self.rules)  # an unknown strategy before any mesh talk
 
 
 @dataclasses.dataclass(frozen=True)

@@ -93,9 +93,16 @@ def strategy(name: str, overrides: dict | None = None) -> Rules:
   for table, rules in (overrides or {}).items():
     if table not in tables:
       raise unknown("rules table", table, tables)
+    if not isinstance(rules, dict):
+      raise ConfigError(f"rules.{table} must be a table of logical axis = mesh axes (e.g. "
+                        f"rules.{table}.mlp=tensor), got {rules!r}")
     for logical, axes in rules.items():
       if logical not in _registered:
         raise unknown(f"logical axis in rules.{table}", logical, _registered)
+      if not (axes is None or isinstance(axes, str) or
+              (isinstance(axes, (list, tuple)) and all(isinstance(a, str) for a in axes))):
+        raise ConfigError(f"rules.{table}.{logical} must be a mesh axis name, a list of "
+                          f"them, or none; got {axes!r}")
       tables[table][logical] = None if axes in (None, "", "none") else axes
   return Rules(name, tables["params"], tables["opt_state"], tables["activations"], scatter,
                tables.get("working"))
