@@ -5,7 +5,8 @@
 
 strategies  tokens/s and median step time per strategy on 8 devices, against the same model
             and global batch on 1 device (tiny preset, 16 × 128 tokens by default);
-flops       achieved model FLOP/s of the 1-device step against a jitted fp32 matmul's;
+flops       achieved model FLOP/s of 1-device steps (tiny fp32, 125m bf16) against a jitted
+            matmul of the same precision;
 peer        the peer-reference config (llama-style, 4 × d256, vocab 32k, seq 256, batch 8,
             AdamW, bf16, fsdp:8) at remat full and none, alternating with MaxText when its
             venv exists (bench/peer.py), with compiled memory per device.
@@ -96,12 +97,15 @@ def run_train(model_cfg, mesh_text: str, strategy: str, batch: int, seq: int, pr
           "memory": memory(compiled)}
 
 
-def matmul_flops(n: int = 2048, reps: int = 10) -> float:
-  """FLOP/s of a jitted n×n @ n×n fp32 matmul on one device (median of `reps`)."""
+def matmul_flops(dtype=np.float32, n: int = 2048, reps: int = 10) -> float:
+  """FLOP/s of a jitted n×n @ n×n matmul on one device (median of `reps`); bf16 operands
+  accumulate in fp32, as every dot of the step does (models/dot.py)."""
   rng = np.random.default_rng(0)
   dev = jax.devices()[0]
-  a, b = (jax.device_put(rng.standard_normal((n, n), np.float32), dev) for _ in range(2))
-  f = jax.jit(lambda x, y: x @ y).lower(a, b).compile()
+  a, b = (jax.device_put(rng.standard_normal((n, n), np.float32).astype(dtype), dev)
+          for _ in range(2))
+  f = jax.jit(lambda x, y: jax.numpy.matmul(x, y, preferred_element_type=np.float32))
+  f = f.lower(a, b).compile()
   jax.block_until_ready(f(a, b))
   times = []
   for _ in range(reps):
@@ -139,18 +143,24 @@ def bench_strategies(args, one_device: dict) -> list[dict]:
   return rows
 
 
-def bench_flops(args, one_device: dict) -> dict:
-  per_token = registry.load("tiny").flops_per_token(args.seq)
-  model = per_token * one_device["tokens_per_s"]
-  peak = matmul_flops()
-  out = {"flops_per_token": per_token, "model_flops_per_s": model,
-         "matmul_2048_fp32_flops_per_s": peak, "ratio": model / peak}
-  print("\n== FLOP/s: tiny 1-device step vs 2048³ fp32 matmul (1 device) ==")
-  print(f"model FLOPs/token {per_token:,.0f}  (6·N + 12·L·H·Q·T, T={args.seq})\n"
-        f"model      {model / 1e9:8.2f} GFLOP/s\n"
-        f"matmul     {peak / 1e9:8.2f} GFLOP/s\n"
-        f"ratio      {out['ratio']:8.3f}")
-  return out
+def bench_flops(args, one_device: dict) -> list[dict]:
+  """Model FLOP/s of 1-device steps against a matmul of the same precision: tiny in fp32
+  (the strategies' model), and 125m in bf16 (matmul-bound: d_model 768, 12 layers)."""
+  bf16 = run_train(registry.load("125m"), "data:1", "dp", 4, 256, "bf16", args.steps,
+                   args.warmup, devices=jax.devices()[:1])
+  rows = []
+  for name, r, dtype in (("tiny", one_device, np.float32), ("125m", bf16, jax.numpy.bfloat16)):
+    per_token = registry.load(name).flops_per_token(r["seq"])
+    model, peak = per_token * r["tokens_per_s"], matmul_flops(dtype)
+    rows.append({"model": name, "precision": r["precision"], "tokens": f"{r['batch']}×{r['seq']}",
+                 "flops_per_token": per_token, "model_gflops": model / 1e9,
+                 "matmul_gflops": peak / 1e9, "ratio": model / peak})
+  print("\n== model FLOP/s of a 1-device step against a jitted 2048³ matmul of the same "
+        "precision (6·N + 12·L·H·Q·T per token) ==")
+  print(table(rows, [("model", "model", "s"), ("precision", "precision", "s"),
+                     ("tokens/step", "tokens", "s"), ("model GFLOP/s", "model_gflops", ".1f"),
+                     ("matmul GFLOP/s", "matmul_gflops", ".1f"), ("ratio", "ratio", ".3f")]))
+  return rows
 
 
 def bench_peer(args) -> list[dict]:
