@@ -1,4 +1,4 @@
-"""A diverging run (train.lr 1e3 on the small model: non-finite from step 5 on) stops with
+"""A diverging run (train.lr 1e5 on the small model: non-finite from step 5 on) stops with
 exit code 3 and saves nothing past the last finite step, or skips the bad updates."""
 
 import dataclasses
@@ -16,7 +16,7 @@ from shardlab.training import checkpoint, step as step_lib
 from shardlab.training import run as run_lib
 from test_checkpoint import SMALL, final_params, small_config
 
-DIVERGING = ["train.lr=1e3", "train.steps=8"]
+DIVERGING = ["train.lr=1e5", "train.steps=8"]
 
 
 def train_cli_args(*sets: str, extra: tuple[str, ...] = ()) -> list[str]:
@@ -44,10 +44,10 @@ def test_stop_policy_exits_3_and_keeps_the_last_finite_checkpoint(tmp_path, caps
   assert "error: step 5: the loss or gradient norm is not finite" in err
   assert "grad_norm nan" in err and "stopped without saving step 5 or later" in err
   assert f"Last good checkpoint: step 4 in {directory}" in err
-  assert "lower train.lr (now 1000)" in err and "raise train.warmup_steps (now 2)" in err
+  assert "lower train.lr (now 100000)" in err and "raise train.warmup_steps (now 2)" in err
   assert saved_steps(directory) == [2, 4]
   assert fetched == [0, 2, 4, 6]  # the host reads the counts only at saves and log steps
-  cfg = small_config(tmp_path, train__lr=1e3)
+  cfg = small_config(tmp_path, train__lr=1e5)
   step, params = final_params(directory, cfg)
   assert step == 4 and all(np.isfinite(p).all() for p in jax.tree.leaves(params))
 
