@@ -83,8 +83,8 @@ def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask_LxM, cache_kv=None, index=None,
                                                           axis=1), ACTIVATIONS["kv_cache"][1:])
             for buf, new in zip(cache_kv, (k, v)))
     cache_kv = (k, v)
-  elif attention.resolve(impl, platform()) == "flash":
-    return constrain(attention.causal(q, k, v, platform()), ACTIVATIONS["queries"]), None
+  elif attention.resolve(impl, where := platform()) == "flash":
+    return constrain(attention.causal(q, k, v, where), ACTIVATIONS["queries"]), None
   b, l, h, e = q.shape
   kv = k.shape[2]
   # Query head i attends with kv head i // G (the layout of HF's repeat_kv).

@@ -41,16 +41,16 @@ class TrainConfig:
   max_skipped: int = 10
 
   def __post_init__(self):
-    for f in ("steps", "global_batch", "seq_len", "microbatches", "log_every", "eval_batches",
-              "max_skipped"):
-      if getattr(self, f) < 1:
-        raise ConfigError(f"train.{f} must be >= 1, got {getattr(self, f)}")
-    bounds = {"lr": (lambda v: v > 0, "> 0"), "clip_norm": (lambda v: v > 0, "> 0"),
-              "eps": (lambda v: v > 0, "> 0"), "b1": (lambda v: 0 <= v < 1, "in [0, 1)"),
-              "b2": (lambda v: 0 <= v < 1, "in [0, 1)"),
-              "weight_decay": (lambda v: v >= 0, ">= 0"),
+    positive = (lambda v: v > 0, "> 0")
+    at_least_1 = (lambda v: v >= 1, ">= 1")
+    non_negative = (lambda v: v >= 0, ">= 0")
+    fraction = (lambda v: 0 <= v < 1, "in [0, 1)")
+    bounds = {**dict.fromkeys(("steps", "global_batch", "seq_len", "microbatches", "log_every",
+                               "eval_batches", "max_skipped"), at_least_1),
+              **dict.fromkeys(("lr", "clip_norm", "eps"), positive),
+              **dict.fromkeys(("weight_decay", "warmup_steps"), non_negative),
+              "b1": fraction, "b2": fraction,
               "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-              "warmup_steps": (lambda v: v >= 0, ">= 0"),
               "seed": (lambda v: 0 <= v < 2**63, "in [0, 2**63)")}
     for f, (ok, valid) in bounds.items():
       if not ok(getattr(self, f)):
