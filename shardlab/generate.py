@@ -131,10 +131,21 @@ class Generator:
         "uncached": jax.jit(uncached, in_shardings=(params_sh, tokens_sh, replicated,
                                                     replicated),
                             out_shardings=tokens_sh, donate_argnums=1),
-        "tokens_sharding": tokens_sh,
+        "tokens_sharding": tokens_sh, "row_sharding": row_sh, "cache_sharding": cache_sh,
     }
     self._jitted[key] = steps
     return steps
+
+  def lower_decode(self, batch: int, length: int):
+    """The greedy decode step for `batch` rows and a cache of `length`, lowered with abstract
+    sharded inputs: nothing is allocated (`plan --inference --compile`)."""
+    steps = self._steps(batch, length, Sampling(temperature=0.0, top_k=0))
+    place = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+    params = jax.tree.map(place, self.abstract.state.params, self.sh.state.params)
+    cache = jax.tree.map(place, jax.eval_shape(lambda: self.cfg.model.init_cache(
+        batch, length, self.abstract.policy.compute_dtype)), steps["cache_sharding"])
+    token = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=steps["row_sharding"])
+    return steps["decode"].lower(params, token, cache, jax.ShapeDtypeStruct((), jnp.int32))
 
   def tokens(self, params, prompt: np.ndarray, s: Sampling, use_cache: bool = True):
     """num_samples × max_new_tokens int32 tokens following the 1-D `prompt`."""

@@ -53,6 +53,8 @@ def plan_parser(prog: str = "shardlab plan") -> argparse.ArgumentParser:
                  help="where --compile compiles: auto = the TPU topology for a TPU target "
                       "when libtpu is installed, else simulated CPU devices")
   p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+  p.add_argument("--inference", action="store_true",
+                 help="plan serving instead (shardlab plan --inference --help)")
   return p
 
 
@@ -78,6 +80,10 @@ def request_from_args(args):
 
 
 def plan_main(argv=None, prog: str = "shardlab plan") -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if "--inference" in argv:
+    from shardlab.cli.plan_inference import main as inference_main
+    return inference_main([a for a in argv if a != "--inference"], prog=f"{prog} --inference")
   args = plan_parser(prog).parse_args(argv)
   try:
     req = request_from_args(args)
