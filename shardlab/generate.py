@@ -12,6 +12,7 @@ key fold_in(seed, t), so cached and uncached decoding draw the same tokens. Toke
 
 import dataclasses
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from shardlab.config import Config
 from shardlab.errors import ConfigError
 from shardlab.models import registry
+from shardlab.observe.serving import ServingReport, peak_bytes, per_device_bytes
 from shardlab.sharding import mesh as mesh_lib
 from shardlab.sharding import rules as rules_lib
 from shardlab.sharding.activations import activation_rules
@@ -150,42 +152,113 @@ class Generator:
   def tokens(self, params, prompt: np.ndarray, s: Sampling, use_cache: bool = True):
     """num_samples × max_new_tokens int32 tokens following the 1-D `prompt`."""
     prompt = np.asarray(prompt, np.int32).reshape(-1)
-    p, n = len(prompt), s.max_new_tokens
+    if not use_cache:
+      return self._uncached(params, prompt, s)
+    return self.generate(params, [prompt], s)[0][0]
+
+  def generate(self, params, prompts: list, s: Sampling,
+               report: ServingReport | None = None) -> tuple[list[np.ndarray], ServingReport]:
+    """num_samples × max_new_tokens tokens for each 1-D prompt, and the run's report.
+    Prompts of one length share a batch (one prefill, one decode loop): the cache has one
+    write position for all its rows."""
+    prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+    report = report or ServingReport()
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+      self._check_length(len(p), s.max_new_tokens)
+      groups.setdefault(len(p), []).append(i)
+    out: list = [None] * len(prompts)
+    for indices in groups.values():
+      rows = np.repeat(np.stack([prompts[i] for i in indices]), s.num_samples, axis=0)
+      new = self._batch(params, rows, s, report)
+      for j, i in enumerate(indices):
+        out[i] = new[j * s.num_samples:(j + 1) * s.num_samples]
+    return out, report
+
+  def _check_length(self, p: int, n: int) -> None:
     if p == 0:
       raise ConfigError("the prompt must hold at least one token (one byte)")
-    length = p + n
-    if length > self.cfg.model.max_seq_len:
-      raise ConfigError(f"prompt ({p} tokens) + max_new_tokens ({n}) = {length} exceeds "
+    if p + n > self.cfg.model.max_seq_len:
+      raise ConfigError(f"prompt ({p} tokens) + max_new_tokens ({n}) = {p + n} exceeds "
                         f"model.max_seq_len ({self.cfg.model.max_seq_len})")
+
+  def _compiled(self, steps: dict, name: str, *args):
+    """The step compiled ahead (its compile time kept out of the tokens/s)."""
+    key = ("compiled", name)
+    if key not in steps:
+      steps[key] = steps[name].lower(*args).compile()
+    return steps[key]
+
+  def _batch(self, params, prompts_RxP: np.ndarray, s: Sampling, report: ServingReport):
+    """Prefill and decode one batch of equal-length prompts (rows padded to a multiple of
+    the batch shards with copies of the last); the real rows' new tokens."""
+    real, (p, n) = len(prompts_RxP), (prompts_RxP.shape[1], s.max_new_tokens)
+    rows = -(-real // self.batch_shards) * self.batch_shards
+    tokens = np.concatenate([prompts_RxP, np.repeat(prompts_RxP[-1:], rows - real, axis=0)])
+    steps, seed = self._steps(rows, p + n, s), np.int32(s.seed)
+    start = time.perf_counter()
+    cache = steps["new_cache"]()
+    prefill = self._compiled(steps, "prefill", params, tokens, cache, seed)
+    token_sds = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=steps["row_sharding"])
+    decode = self._compiled(steps, "decode", params, token_sds, cache, seed)
+    begin = time.perf_counter()
+    report.compile_s += begin - start
+    token, cache = prefill(params, tokens, cache, seed)
+    out = [jax.block_until_ready(token)]
+    decoding = time.perf_counter()
+    for _ in range(n - 1):
+      if self.sync_each_step:
+        token.block_until_ready()
+      token, cache = decode(params, token, cache, seed)
+      out.append(token)
+    new = np.stack(jax.device_get(out), axis=1)
+    report.prefill_s += decoding - begin
+    report.decode_s += time.perf_counter() - decoding
+    report.sequences, report.batches = report.sequences + real, report.batches + 1
+    report.prefill_tokens += real * p
+    report.decode_tokens += real * (n - 1)
+    report.decode_steps = max(report.decode_steps, n - 1)
+    self._measure(report, params, cache, decode)
+    return new[:real]
+
+  def _measure(self, report: ServingReport, params, cache, decode) -> None:
+    report.weights_bytes = per_device_bytes(params)
+    report.kv_cache_bytes = max(report.kv_cache_bytes, per_device_bytes(cache))
+    mem = decode.memory_analysis()
+    if mem is not None:
+      temp = mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+      report.decode_temp_bytes = max(report.decode_temp_bytes, temp)
+    report.peak_bytes = peak_bytes(self.sh.mesh.devices.flat[0])
+
+  def _uncached(self, params, prompt: np.ndarray, s: Sampling):
+    """The same tokens by a full forward pass per token (for checking the cache)."""
+    p, n = len(prompt), s.max_new_tokens
+    self._check_length(p, n)
     rows = -(-s.num_samples // self.batch_shards) * self.batch_shards
-    steps = self._steps(rows, length, s)
-    seed = np.int32(s.seed)
-    if use_cache:
-      token, cache = steps["prefill"](params, np.tile(prompt, (rows, 1)), steps["new_cache"](),
-                                      seed)
-      out = [token]
-      for _ in range(n - 1):
-        if self.sync_each_step:
-          token.block_until_ready()
-        token, cache = steps["decode"](params, token, cache, seed)
-        out.append(token)
-      new = np.stack(jax.device_get(out), axis=1)
-    else:
-      seq = np.zeros((rows, length), np.int32)
-      seq[:, :p] = prompt
-      seq = jax.device_put(seq, steps["tokens_sharding"])
-      for position in range(p, length):
-        if self.sync_each_step:
-          seq.block_until_ready()
-        seq = steps["uncached"](params, seq, np.int32(position), seed)
-      new = np.asarray(jax.device_get(seq))[:, p:]
-    return new[:s.num_samples]
+    steps, seed = self._steps(rows, p + n, s), np.int32(s.seed)
+    seq = np.zeros((rows, p + n), np.int32)
+    seq[:, :p] = prompt
+    seq = jax.device_put(seq, steps["tokens_sharding"])
+    for position in range(p, p + n):
+      if self.sync_each_step:
+        seq.block_until_ready()
+      seq = steps["uncached"](params, seq, np.int32(position), seed)
+    return np.asarray(jax.device_get(seq))[:s.num_samples, p:]
 
   def text(self, params, prompt: str, s: Sampling, use_cache: bool = True) -> list[str]:
     """num_samples continuations of `prompt` (UTF-8 bytes in, bytes decoded out)."""
-    tokens = self.tokens(params, prompt_bytes(prompt), s, use_cache)
-    return [bytes(row.astype(np.uint8).tolist()).decode("utf-8", errors="replace")
-            for row in tokens]
+    return decode_bytes(self.tokens(params, prompt_bytes(prompt), s, use_cache))
+
+  def texts(self, params, prompts: list[str], s: Sampling) -> tuple[list[list[str]],
+                                                                   ServingReport]:
+    """num_samples continuations of each prompt, batched, and the run's report."""
+    tokens, report = self.generate(params, [prompt_bytes(p) for p in prompts], s)
+    return [decode_bytes(t) for t in tokens], report
+
+
+def decode_bytes(tokens_RxN) -> list[str]:
+  return [bytes(row.astype(np.uint8).tolist()).decode("utf-8", errors="replace")
+          for row in tokens_RxN]
 
 
 def prompt_bytes(prompt: str) -> np.ndarray:

@@ -19,7 +19,10 @@ def generate_parser(prog: str = "shardlab generate") -> argparse.ArgumentParser:
                                                      "--checkpoint-dir): its newest intact step")
   p.add_argument("--strict", action="store_true",
                  help="refuse a damaged newest step instead of falling back to an older one")
-  p.add_argument("--prompt", default="def ", help="text to continue (UTF-8 bytes)")
+  p.add_argument("--prompt", action="append", metavar="TEXT",
+                 help="text to continue (UTF-8 bytes); give it several times to batch "
+                      "prompts (those of one length share a prefill and decode loop); "
+                      "default 'def '")
   p.add_argument("--max-new-tokens", type=int, default=200, help="bytes to generate")
   p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
   p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest; 0: all")
@@ -30,14 +33,17 @@ def generate_parser(prog: str = "shardlab generate") -> argparse.ArgumentParser:
   add_simulate_devices(p)
   p.add_argument("--no-cache", action="store_true",
                  help="recompute the whole sequence for every token (slow; for checking)")
-  p.add_argument("--quiet", action="store_true", help="print only the samples")
+  p.add_argument("--quiet", action="store_true",
+                 help="print only the samples (no header, no speed and memory report)")
   return p
 
 
 def generate_main(argv=None, prog: str = "shardlab generate") -> int:
   args = generate_parser(prog).parse_args(argv)
+  prompts = args.prompt or ["def "]
   try:
-    generate.prompt_bytes(args.prompt)  # before any loading: a bad prompt fails at once
+    for prompt in prompts:  # before any loading: a bad prompt fails at once
+      generate.prompt_bytes(prompt)
     setup_devices(args.simulate_devices)
     sampling = generate.Sampling(max_new_tokens=args.max_new_tokens,
                                  temperature=args.temperature, top_k=args.top_k,
@@ -45,17 +51,26 @@ def generate_main(argv=None, prog: str = "shardlab generate") -> int:
     gen, params, cfg, step = generate.from_checkpoint(args.checkpoint, args.mesh,
                                                       args.strategy, args.strict)
     start = time.perf_counter()
-    texts = gen.text(params, args.prompt, sampling, use_cache=not args.no_cache)
+    if args.no_cache:
+      texts = [gen.text(params, p, sampling, use_cache=False) for p in prompts]
+      report = None
+    else:
+      texts, report = gen.texts(params, prompts, sampling)
     seconds = time.perf_counter() - start
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   if not args.quiet:
     print(f"# {cfg.model.name} at step {step} from {args.checkpoint}; {cfg.strategy} on "
-          f"{cfg.mesh}; {sampling.num_samples} × {sampling.max_new_tokens} bytes in "
-          f"{seconds:.1f} s (compile included)", file=sys.stderr)
-  for i, text in enumerate(texts):
-    if len(texts) > 1 and not args.quiet:
-      print(f"--- sample {i}", file=sys.stderr)
-    print(args.prompt + text)
+          f"{cfg.mesh}; {len(prompts)} prompt(s) × {sampling.num_samples} × "
+          f"{sampling.max_new_tokens} bytes in {seconds:.1f} s (compile included)",
+          file=sys.stderr)
+  many = len(prompts) * sampling.num_samples > 1
+  for p, (prompt, samples) in enumerate(zip(prompts, texts)):
+    for i, text in enumerate(samples):
+      if many and not args.quiet:
+        print(f"--- prompt {p} sample {i}", file=sys.stderr)
+      print(prompt + text)
+  if report is not None and not args.quiet:
+    print("\n".join(f"# {line}" for line in report.lines()), file=sys.stderr)
   return 0
