@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from shardlab.config import Config
 from shardlab.errors import ConfigError
 from shardlab.models import registry
-from shardlab.observe.serving import ServingReport, peak_bytes, per_device_bytes
+from shardlab.observe.serving import ServingReport
 from shardlab.sharding import mesh as mesh_lib
 from shardlab.sharding import rules as rules_lib
 from shardlab.sharding.activations import activation_rules
@@ -62,12 +62,21 @@ def sample(logits_BxV, key, temperature: float, top_k: int):
   return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+PREFILL_CHUNK = 512  # tokens per prefill call (the planner's default too)
+
+
 class Generator:
   """Jitted prefill, decode step and (for checking) uncached step for one model, mesh and
   rules. jit compiles once per batch size, cache length and sampling settings."""
 
-  def __init__(self, cfg: Config, abstract: Abstract, sh: Shardings):
+  def __init__(self, cfg: Config, abstract: Abstract, sh: Shardings,
+               prefill_chunk: int = PREFILL_CHUNK):
+    if prefill_chunk < 1:
+      raise ConfigError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
     self.cfg, self.abstract, self.sh = cfg, abstract, sh
+    # Prompts are prefilled this many tokens at a time: attention's scores over the cache
+    # and the logits grow with the chunk, not the prompt.
+    self.prefill_chunk = prefill_chunk
     self.batch_shards = math.prod(sh.mesh.shape[a] for a in sh.rules.batch_axes
                                   if a in sh.mesh.shape)
     self._jitted: dict = {}
@@ -184,7 +193,7 @@ class Generator:
 
   def _compiled(self, steps: dict, name: str, *args):
     """The step compiled ahead (its compile time kept out of the tokens/s)."""
-    key = ("compiled", name)
+    key = ("compiled", name, args[1].shape)
     if key not in steps:
       steps[key] = steps[name].lower(*args).compile()
     return steps[key]
@@ -198,12 +207,14 @@ class Generator:
     steps, seed = self._steps(rows, p + n, s), np.int32(s.seed)
     start = time.perf_counter()
     cache = steps["new_cache"]()
-    prefill = self._compiled(steps, "prefill", params, tokens, cache, seed)
+    chunks = [tokens[:, i:i + self.prefill_chunk] for i in range(0, p, self.prefill_chunk)]
+    prefill = [self._compiled(steps, "prefill", params, c, cache, seed) for c in chunks]
     token_sds = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=steps["row_sharding"])
     decode = self._compiled(steps, "decode", params, token_sds, cache, seed)
     begin = time.perf_counter()
     report.compile_s += begin - start
-    token, cache = prefill(params, tokens, cache, seed)
+    for step, chunk in zip(prefill, chunks):  # the last chunk's draw is the first token
+      token, cache = step(params, chunk, cache, seed)
     out = [jax.block_until_ready(token)]
     decoding = time.perf_counter()
     for _ in range(n - 1):
@@ -218,17 +229,8 @@ class Generator:
     report.prefill_tokens += real * p
     report.decode_tokens += real * (n - 1)
     report.decode_steps = max(report.decode_steps, n - 1)
-    self._measure(report, params, cache, decode)
+    report.measure(params, cache, decode, self.sh.mesh.devices.flat[0])
     return new[:real]
-
-  def _measure(self, report: ServingReport, params, cache, decode) -> None:
-    report.weights_bytes = per_device_bytes(params)
-    report.kv_cache_bytes = max(report.kv_cache_bytes, per_device_bytes(cache))
-    mem = decode.memory_analysis()
-    if mem is not None:
-      temp = mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
-      report.decode_temp_bytes = max(report.decode_temp_bytes, temp)
-    report.peak_bytes = peak_bytes(self.sh.mesh.devices.flat[0])
 
   def _uncached(self, params, prompt: np.ndarray, s: Sampling):
     """The same tokens by a full forward pass per token (for checking the cache)."""
@@ -273,7 +275,7 @@ def prompt_bytes(prompt: str) -> np.ndarray:
 
 
 def from_checkpoint(directory: str, mesh: str | None = None, strategy: str | None = None,
-                    strict: bool = False, warn=None):
+                    strict: bool = False, warn=None, prefill_chunk: int = PREFILL_CHUNK):
   """(Generator, params, cfg, step) for the newest intact checkpoint in `directory` (a
   damaged newer step is skipped with a warning, or refused if `strict`), on its saved mesh
   and strategy unless others are given."""
@@ -285,7 +287,7 @@ def from_checkpoint(directory: str, mesh: str | None = None, strategy: str | Non
     abstract = run_lib.abstract_state(cfg)
     sh = run_lib.shardings(cfg, abstract, device_mesh)
     params = restore("params", abstract.state.params, sh.state.params)
-    return Generator(cfg, abstract, sh), params, cfg
+    return Generator(cfg, abstract, sh, prefill_chunk), params, cfg
 
   (gen, params, cfg), step = checkpoint.restore_newest(
       directory, read, "--strict" if strict else None, warn)

@@ -11,6 +11,7 @@ import pytest
 import helpers
 from shardlab import config, generate
 from shardlab.cli import generate as generate_cli
+from shardlab.errors import ConfigError
 from shardlab.training import checkpoint
 
 # Two prompts of one length share a batch; the third runs in its own.
@@ -86,3 +87,13 @@ def test_generate_cli_batches_prompts_and_reports(tmp_path, capsys):
   assert generate_cli.generate_main(base + ["--prompt", "xyz", "--quiet"]) == 0
   alone = capsys.readouterr().out
   assert alone.startswith("xyz") and alone in captured.out
+
+
+def test_chunked_prefill_draws_the_same_tokens():
+  """Prompts prefilled 2 tokens a call (5 = 2 + 2 + 1) continue as when prefilled whole."""
+  gen, params = setup("tp")
+  chunked = generate.Generator(gen.cfg, gen.abstract, gen.sh, prefill_chunk=2)
+  for a, b in zip(chunked.generate(params, PROMPTS, GREEDY)[0], drawn("tp", None, GREEDY)[0]):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(ConfigError, match="prefill_chunk"):
+    generate.Generator(gen.cfg, gen.abstract, gen.sh, prefill_chunk=0)

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from shardlab import generate
 from shardlab.cli import plan as plan_cli
 from shardlab.errors import ConfigError
 from shardlab.models import registry
@@ -95,8 +96,21 @@ def test_405b_needs_stages_beyond_a_node():
   result = inference_plan.plan(req)
   assert result.min_devices["tensor"] is None  # 810 GB of weights over 8 GPUs does not fit
   overall = result.min_devices["overall"]
-  assert overall["tensor"] == 8 and overall["stage"] >= 2
+  assert overall["stage"] >= 2 and overall["devices"] <= 16
   assert overall["devices"] * hardware.get("h100-80g").usable_bytes > 2 * 405.8e9
+
+
+def test_prefill_chunks_bound_the_scores():
+  """generate prefills PREFILL_CHUNK tokens a call; the planner assumes the same, and a
+  whole-context call holds every position's scores."""
+  assert inf.PREFILL_CHUNK == generate.PREFILL_CHUNK
+  m, acc = registry.load("llama3-70b"), hardware.get("h100-80g")
+  chunked, whole = (inf_estimate.memory(inf.Request(model="llama3-70b", context=8192,
+                                                    prefill_chunk=c), m, inf.Layout(tensor=8))
+                    for c in (512, 8192))
+  scores = 64 / 8 * (8192 - 512) * 8192 * inf_estimate.SCORE_BYTES
+  assert whole.prefill_temp - chunked.prefill_temp > scores
+  assert whole.decode_temp == chunked.decode_temp
 
 
 def test_decode_is_bandwidth_bound_at_batch_one():

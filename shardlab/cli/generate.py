@@ -31,6 +31,9 @@ def generate_parser(prog: str = "shardlab generate") -> argparse.ArgumentParser:
   p.add_argument("--mesh", help="default: the checkpoint's")
   p.add_argument("--strategy", help="default: the checkpoint's")
   add_simulate_devices(p)
+  p.add_argument("--prefill-chunk", type=int, default=generate.PREFILL_CHUNK,
+                 help="prompt tokens per prefill call (attention's scores and the logits "
+                      "grow with it)")
   p.add_argument("--no-cache", action="store_true",
                  help="recompute the whole sequence for every token (slow; for checking)")
   p.add_argument("--quiet", action="store_true",
@@ -49,7 +52,8 @@ def generate_main(argv=None, prog: str = "shardlab generate") -> int:
                                  temperature=args.temperature, top_k=args.top_k,
                                  seed=args.seed, num_samples=args.num_samples)
     gen, params, cfg, step = generate.from_checkpoint(args.checkpoint, args.mesh,
-                                                      args.strategy, args.strict)
+                                                      args.strategy, args.strict,
+                                                      prefill_chunk=args.prefill_chunk)
     start = time.perf_counter()
     if args.no_cache:
       texts = [gen.text(params, p, sampling, use_cache=False) for p in prompts]

@@ -36,6 +36,8 @@ def parser(prog: str = "shardlab plan --inference") -> argparse.ArgumentParser:
   p.add_argument("--prefill-batch", type=int, default=1,
                  help="sequences prefilled at once per replica (generate prefills all its "
                       "prompts of one length at once)")
+  p.add_argument("--prefill-chunk", type=int, default=inf.PREFILL_CHUNK,
+                 help="prompt tokens per prefill call (generate --prefill-chunk)")
   p.add_argument("--devices", type=int, help="plan the fastest layout of this many devices")
   p.add_argument("--mesh", help="a layout, e.g. 'tensor:8,stage:2' or 'data:2,tensor:4' "
                                 "(default: the fewest devices that fit)")
@@ -51,7 +53,8 @@ def parser(prog: str = "shardlab plan --inference") -> argparse.ArgumentParser:
 def request(args) -> inf.Request:
   return inf.Request(model=args.model, target=args.target, batch=args.batch,
                      context=args.context, weights=args.weights, kv_dtype=args.kv_dtype,
-                     prefill_batch=args.prefill_batch, devices=args.devices, mesh=args.mesh)
+                     prefill_batch=args.prefill_batch, prefill_chunk=args.prefill_chunk,
+                     devices=args.devices, mesh=args.mesh)
 
 
 def main(argv=None, prog: str = "shardlab plan --inference") -> int:
@@ -135,7 +138,7 @@ def render(result: inference_plan.Plan) -> str:
       f"model     {m.name}: {m.n_params / 1e9:.2f}B params ({inf.active_params(m) / 1e9:.2f}B "
       f"active per token)   weights {r.weights}   KV cache {r.kv_dtype}",
       f"serving   batch {r.batch} × context {r.context} tokens; prefill {r.prefill_batch} "
-      f"sequence(s) at once",
+      f"sequence(s) at once, {r.prefill_chunk} tokens a call",
       f"target    {acc.name}: {acc.peak_flops / 1e12:.0f} TFLOP/s bf16, {acc.hbm_bw / 1e12:.2f} "
       f"TB/s HBM, {acc.usable_bytes / GiB:.2f} GiB usable",
       f"layout    {e.layout.describe()} ({e.layout.n_devices} devices)", ""]
@@ -147,7 +150,7 @@ def render(result: inference_plan.Plan) -> str:
             f"  {'decode step temporaries':28s}{_gib(mem.decode_temp)}   (the scan's new "
             f"cache buffer, a layer's K/V and weights, logits)",
             f"  {'prefill temporaries':28s}{_gib(mem.prefill_temp)}   (the same, with one "
-            f"layer's dense scores over the context)",
+            f"layer's scores of a chunk over the cache)",
             f"  {'total':28s}{_gib(mem.total)}   {verdict} in {e.usable_bytes / GiB:.2f} GiB", ""]
   lines += _min_lines(result) + [""] + _speed_lines(e)
   if result.compiled:

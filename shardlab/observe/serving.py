@@ -42,6 +42,16 @@ class ServingReport:
                 decode_tokens_per_s=self.decode_tokens_per_s,
                 decode_tokens_per_s_per_seq=self.decode_tokens_per_s_per_seq)
 
+  def measure(self, params, cache, compiled_decode, device) -> None:
+    """Per-device bytes of the weights and the cache, the decode step's temporaries."""
+    self.weights_bytes = per_device_bytes(params)
+    self.kv_cache_bytes = max(self.kv_cache_bytes, per_device_bytes(cache))
+    mem = compiled_decode.memory_analysis()
+    if mem is not None:
+      temp = mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+      self.decode_temp_bytes = max(self.decode_temp_bytes, temp)
+    self.peak_bytes = peak_bytes(device)
+
   def lines(self) -> list[str]:
     peak = "" if self.peak_bytes is None else f", allocator peak {self.peak_bytes / GiB:.3f} GiB"
     return [

@@ -39,6 +39,7 @@ KV_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0}
 # What `shardlab generate` and `plan --inference --compile` execute; the others are formula.
 EXECUTABLE = ("fp32", "bf16")
 ACTIVATION_BYTES = 2  # the residual stream the tensor-parallel all-reduces carry (bf16)
+PREFILL_CHUNK = 512  # prompt tokens per prefill call: shardlab.generate's default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,11 +51,12 @@ class Request:
   weights: str = "bf16"
   kv_dtype: str = "bf16"
   prefill_batch: int = 1  # sequences prefilled at once (per replica)
+  prefill_chunk: int = PREFILL_CHUNK  # their tokens per prefill call
   devices: int | None = None
   mesh: str | None = None  # e.g. "tensor:8,stage:2"; data, tensor and stage only
 
   def __post_init__(self):
-    for f in ("batch", "context", "prefill_batch"):
+    for f in ("batch", "context", "prefill_batch", "prefill_chunk"):
       if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
         raise ConfigError(f"inference {f} must be a positive integer, got "
                           f"{getattr(self, f)!r}")

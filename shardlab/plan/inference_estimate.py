@@ -23,12 +23,12 @@ def memory(req: inf.Request, model, layout: inf.Layout) -> inf.Memory:
   common = kv + 2 * kv / held + one_layer
   decode = common + rows * model.vocab_size / t * 4  # fp32 logits of one position
   p = _act_bytes(req)
-  pb = min(req.prefill_batch, rows)
-  # Prefill of pb sequences: one layer's dense scores over the whole cache, every position's
-  # fp32 logits (extend computes them all), and one layer's activations.
-  scores = pb * model.n_heads / t * c * c * SCORE_BYTES
-  hidden = pb * c * (6 * model.d_model + 3 * model.mlp_dim / t) * p
-  prefill = common + scores + pb * c * model.vocab_size / t * 4 + hidden
+  pb, chunk = min(req.prefill_batch, rows), min(req.prefill_chunk, c)
+  # A prefill call of pb sequences × chunk tokens: one layer's dense scores over the whole
+  # cache, the chunk's fp32 logits (extend computes them all) and one layer's activations.
+  scores = pb * model.n_heads / t * chunk * c * SCORE_BYTES
+  hidden = pb * chunk * (6 * model.d_model + 3 * model.mlp_dim / t) * p
+  prefill = common + scores + pb * chunk * model.vocab_size / t * 4 + hidden
   return inf.Memory(weights=weights, kv_cache=kv, decode_temp=decode, prefill_temp=prefill)
 
 
@@ -66,13 +66,15 @@ def decode(req: inf.Request, model, acc: hardware.Accelerator, layout: inf.Layou
 def prefill(req: inf.Request, model, acc: hardware.Accelerator, layout: inf.Layout,
             mem: inf.Memory) -> inf.Phase:
   """Prefill of prefill_batch sequences of the whole context on a replica: their FLOPs on
-  its tensor-parallel devices (stages in turn), the weights read once and the cache
-  written, the tensor-parallel all-reduces of every position."""
+  its tensor-parallel devices (stages in turn; every chunk attends over the whole cache
+  buffer, masked), the weights read once per chunk and the cache written, the
+  tensor-parallel all-reduces of every position."""
   t, s, rows = layout.tensor, layout.stage, req.batch // layout.data
   pb = min(req.prefill_batch, rows)
   tokens = pb * req.context
   flops = tokens * model.flops_per_token(req.context) / 3 / t
-  written = s * (mem.weights + mem.kv_cache * pb / rows)
+  calls = -(-req.context // req.prefill_chunk)
+  written = s * (mem.weights * calls + mem.kv_cache * pb / rows)
   tp = 2 * model.n_layers * _all_reduce_s(tokens * model.d_model * inf.ACTIVATION_BYTES, t,
                                           acc.ici_bw)
   terms = {"compute": flops / acc.peak_flops, "memory": written / acc.hbm_bw,
