@@ -228,7 +228,7 @@ class Generator:
     report.sequences, report.batches = report.sequences + real, report.batches + 1
     report.prefill_tokens += real * p
     report.decode_tokens += real * (n - 1)
-    report.decode_steps = max(report.decode_steps, n - 1)
+    report.decode_steps += n - 1
     report.measure(params, cache, decode, self.sh.mesh.devices.flat[0])
     return new[:real]
 

@@ -58,7 +58,7 @@ def test_batched_prompts_match_each_alone_and_report():
   batched, report = drawn("tp", None, GREEDY)
   for prompt, tokens in zip(PROMPTS, batched):
     np.testing.assert_array_equal(gen.tokens(params, prompt, GREEDY), tokens)
-  assert (report.sequences, report.batches, report.decode_steps) == (3, 2, 9)
+  assert (report.sequences, report.batches, report.decode_steps) == (3, 2, 2 * 9)
   assert report.prefill_tokens == 5 + 5 + 3 and report.decode_tokens == 3 * 9
   assert report.prefill_s > 0 and report.decode_s > 0 and report.decode_tokens_per_s > 0
   # data:2 × tensor:4: a row and one of 4 kv heads per device, 2 layers, K and V, 15

@@ -16,7 +16,7 @@ class ServingReport:
   prefill_tokens: int = 0
   prefill_s: float = 0.0
   decode_tokens: int = 0  # generated after the first (the prefill draws the first)
-  decode_steps: int = 0
+  decode_steps: int = 0  # summed over the batches (one token per sequence of the batch)
   decode_s: float = 0.0
   compile_s: float = 0.0
   weights_bytes: float = 0.0  # per device, the fullest one
@@ -53,17 +53,21 @@ class ServingReport:
     self.peak_bytes = peak_bytes(device)
 
   def lines(self) -> list[str]:
-    peak = "" if self.peak_bytes is None else f", allocator peak {self.peak_bytes / GiB:.3f} GiB"
+    peak = "" if self.peak_bytes is None else f", allocator peak {_size(self.peak_bytes)}"
     return [
         f"prefill  {self.prefill_tokens} prompt tokens in {self.prefill_s:.3f} s: "
         f"{self.prefill_tokens_per_s:,.0f} tokens/s",
-        f"decode   {self.sequences} sequences × {self.decode_steps} steps in "
+        f"decode   {self.sequences} sequences, {self.decode_steps} steps in "
         f"{self.decode_s:.3f} s: {self.decode_tokens_per_s_per_seq:,.1f} tokens/s per "
         f"sequence, {self.decode_tokens_per_s:,.0f} in total ({self.batches} batch(es); "
         f"compile {self.compile_s:.1f} s not counted)",
-        f"memory   per device: weights {self.weights_bytes / GiB:.3f} GiB, KV cache "
-        f"{self.kv_cache_bytes / GiB:.3f} GiB, decode step temporaries "
-        f"{self.decode_temp_bytes / GiB:.3f} GiB (XLA){peak}"]
+        f"memory   per device: weights {_size(self.weights_bytes)}, KV cache "
+        f"{_size(self.kv_cache_bytes)}, decode step temporaries "
+        f"{_size(self.decode_temp_bytes)} (XLA){peak}"]
+
+
+def _size(nbytes: float) -> str:
+  return f"{nbytes / GiB:.3f} GiB" if nbytes >= GiB / 10 else f"{nbytes / 2**20:.3f} MiB"
 
 
 def per_device_bytes(tree) -> float:
