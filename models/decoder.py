@@ -9,14 +9,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from shardlab.models import attention, dot
+from shardlab.models import attention, context, dot
 from shardlab.sharding.activations import constrain, platform
 from shardlab.sharding.params import param
 
 # The logical axes of every activation a decoder constrains: the one list that the model,
 # generation (the KV cache) and `shardlab inspect --activations` share.
 ACTIVATIONS = {
-    "residual": ("batch", "length", "embed"),
+    "residual": ("batch", "residual_length", "embed"),
     "queries": ("batch", "length", "heads", "head_dim"),  # also the attention output
     "keys_values": ("batch", "length", "kv_heads", "head_dim"),
     "mlp_hidden": ("batch", "length", "mlp"),
@@ -69,15 +69,25 @@ def causal_mask(length: int, cache: KVCache | None, start):
 
 
 def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask_LxM, cache_kv=None, index=None,
-           impl: str = "xla"):
+           impl: str = "xla", doc=None, exchange: str = "all-gather"):
   """Grouped-query attention (fp32 scores and softmax). With `cache_kv` (this layer's
   B×S×K×E key and value buffers) the new keys and values are written at `index`, the
   queries attend over the buffers, and the updated buffers are returned too. Without a
-  cache, `impl` (model.attention) may pick the platform's flash kernel (models/attention)."""
+  cache, `impl` (model.attention) may pick the platform's flash kernel (models/attention).
+  `doc` (positions, segment ids; B×L each) masks by document and is what context
+  parallelism needs (models/context; `exchange` is model.kv_exchange)."""
   dt = q_BxLxHxE.dtype
   q = constrain(q_BxLxHxE, ACTIVATIONS["queries"])
   k = constrain(k_BxLxKxE, ACTIVATIONS["keys_values"])
   v = constrain(v_BxLxKxE, ACTIVATIONS["keys_values"])
+  if cache_kv is None and (doc is not None or context.split(attention.QUERIES, q.shape)):
+    if doc is None:
+      raise ValueError("the rules split `length` (context parallelism) but this model passes "
+                       "no positions to attention; it supports neither context parallelism "
+                       "nor packed documents")
+    out = context.attend(q, k, v, *doc, impl=impl, exchange=exchange,
+                         dense=_softmax_attention, platform=platform())
+    return constrain(out, ACTIVATIONS["queries"]), None
   if cache_kv is not None:
     k, v = (constrain(jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), index,
                                                           axis=1), ACTIVATIONS["kv_cache"][1:])

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardlab.models import dot
+from shardlab.models import context, dot
 from shardlab.models.decoder import ACTIVATIONS, Block, KVCache, attend, causal_mask, embed
 from shardlab.models.decoder import logits
 from shardlab.models.decoder import scan_blocks, stacked_param as _param
@@ -85,15 +85,16 @@ class Attention(nnx.Module):
     self.k_DxKxE = _param(rngs, (d, k, e), ("embed", "kv_heads", "head_dim"), d, dtype, stack)
     self.v_DxKxE = _param(rngs, (d, k, e), ("embed", "kv_heads", "head_dim"), d, dtype, stack)
     self.o_HxExD = _param(rngs, (h, e, d), ("heads", "head_dim", "embed"), h * e, dtype, stack)
-    self.impl = cfg.attention
+    self.impl, self.exchange = cfg.attention, cfg.kv_exchange
 
-  def __call__(self, x_BxLxD, cos, sin, mask_LxM, index, cache_kv=None):
-    """Attention output (and, with `cache_kv`, this layer's updated key/value buffers)."""
+  def __call__(self, x_BxLxD, cos, sin, mask_LxM, index, doc=None, cache_kv=None):
+    """Attention output (and, with `cache_kv`, this layer's updated key/value buffers).
+    `doc`: (positions, segment ids) for document masks and context parallelism."""
     q = dot.einsum("bld,dhe->blhe", x_BxLxD, self.q_DxHxE[...])
     k = dot.einsum("bld,dke->blke", x_BxLxD, self.k_DxKxE[...])
     v = dot.einsum("bld,dke->blke", x_BxLxD, self.v_DxKxE[...])
     out, cache_kv = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, mask_LxM,
-                           cache_kv, index, self.impl)
+                           cache_kv, index, self.impl, doc, self.exchange)
     return dot.einsum("blhe,hed->bld", out, self.o_HxExD[...]), cache_kv
 
 
@@ -155,13 +156,16 @@ class Llama(nnx.Module):
     if not cfg.tie_embeddings:
       self.head_DxV = _param(rngs, (d, v), ("embed", "vocab"), d, param_dtype)
 
-  def __call__(self, tokens_BxL, positions_BxL=None):
+  def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None):
     """fp32 logits B×L×V. Parameters are used in their stored dtype (the caller casts)."""
-    return logits(self.hidden(tokens_BxL, positions_BxL), self.output_head())
+    return logits(self.hidden(tokens_BxL, positions_BxL, segment_ids_BxL),
+                  self.output_head())
 
-  def hidden(self, tokens_BxL, positions_BxL=None):
-    """The final-normed residual stream B×L×D, before the output projection."""
-    return self._forward(tokens_BxL, positions_BxL, None)[0]
+  def hidden(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None):
+    """The final-normed residual stream B×L×D, before the output projection. With
+    `segment_ids_BxL` (packed documents) a token attends only within its document, and
+    `positions_BxL` should restart per document (context.document_positions)."""
+    return self._forward(tokens_BxL, positions_BxL, None, segment_ids_BxL)[0]
 
   def output_head(self):
     """The D×V output projection: the embedding table, transposed, when tied."""
@@ -173,14 +177,22 @@ class Llama(nnx.Module):
     x, cache = self._forward(tokens_BxL, None, cache)
     return logits(x, self.output_head()), cache
 
-  def _forward(self, tokens_BxL, positions_BxL, cache: KVCache | None):
+  def _forward(self, tokens_BxL, positions_BxL, cache: KVCache | None, segments_BxL=None):
     b, l = tokens_BxL.shape
     start = 0 if cache is None else cache.index
     if positions_BxL is None:
       positions_BxL = jnp.broadcast_to(start + jnp.arange(l), (b, l))
+    doc, restore = None, lambda x: x
+    shape = (b, l, self.cfg.d_model)
+    if cache is None and (segments_BxL is not None or context.split(context.RESIDUAL, shape)):
+      if segments_BxL is None:
+        segments_BxL = jnp.ones((b, l), jnp.int32)
+      (tokens_BxL, positions_BxL, segments_BxL), restore = context.zigzag(
+          shape, tokens_BxL, positions_BxL, segments_BxL)
+      doc = (positions_BxL, segments_BxL)
     x = embed(self.embed_VxD[...], tokens_BxL)
     cos, sin = rope_tables(positions_BxL, self.cfg.head_dim, self.cfg.rope_theta)
-    x, cache_kv = scan_blocks(self.blocks, x, cache, self.remat, cos, sin,
-                              causal_mask(l, cache, start), start)
-    x = self.final_norm(x)
+    mask = None if doc else causal_mask(l, cache, start)
+    x, cache_kv = scan_blocks(self.blocks, x, cache, self.remat, cos, sin, mask, start, doc)
+    x = restore(self.final_norm(x))
     return x, None if cache is None else KVCache(*cache_kv, start + l)

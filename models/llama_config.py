@@ -9,7 +9,7 @@ import dataclasses
 from flax import nnx
 
 from shardlab.errors import ConfigError, unknown
-from shardlab.models import attention, decoder, llama
+from shardlab.models import attention, context, decoder, llama
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +27,7 @@ class LlamaConfig:
   tie_embeddings: bool = False
   max_seq_len: int = 2048
   attention: str = "xla"  # "xla" | "flash" | "auto": models/attention.py
+  kv_exchange: str = "all-gather"  # "all-gather" | "ring": context parallelism, models/context.py
   arch: str = "llama"
 
   # What the core asks of a bundled model.
@@ -54,6 +55,7 @@ class LlamaConfig:
                         f"{self.rope_theta} and {self.norm_eps}")
     if self.attention not in attention.IMPLEMENTATIONS:
       raise unknown("model.attention", self.attention, attention.IMPLEMENTATIONS)
+    context.check_exchange(self.kv_exchange)
     if self.n_heads % self.n_kv_heads:
       raise ConfigError(
           f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads "

@@ -136,7 +136,7 @@ RESUME_FIELDS = ("model", "train.optimizer", "train.b1", "train.b2", "train.eps"
                  "train.precision", "train.grad_dtype", "train.global_batch", "train.seq_len",
                  "train.microbatches", "train.seed", "data")
 # A label (the same model from another TOML file is fine), and an implementation choice.
-RESUME_IGNORED = ("model.name", "model.attention")
+RESUME_IGNORED = ("model.name", "model.attention", "model.kv_exchange")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

@@ -39,7 +39,7 @@ def plan_parser(prog: str = "shardlab plan") -> argparse.ArgumentParser:
   p.add_argument("--target", help=f"{' | '.join(hardware.names())} (default: the mesh "
                                   f"preset's accelerator, else h100-80g)")
   p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                 help="rules overrides, e.g. rules.activations.length=sequence")
+                 help="rules overrides, e.g. rules.activations.length=context")
   p.add_argument("--search", action="store_true",
                  help="rank every data × fsdp × tensor factorisation and strategy that fits")
   p.add_argument("--top", type=int, default=10, help="rows of --search to print")

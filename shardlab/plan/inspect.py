@@ -92,7 +92,7 @@ def axis_sizes(cfg: Config) -> dict:
   """The size of every logical axis in one microbatch of this run."""
   t = cfg.train
   return {"batch": t.global_batch // t.microbatches, "length": t.seq_len,
-          **cfg.model.axis_sizes()}
+          "residual_length": t.seq_len, **cfg.model.axis_sizes()}
 
 
 def activation_rows(cfg: Config, abstract: Abstract, sh: Shardings) -> tuple[list[Row], list]:

@@ -18,7 +18,9 @@ from jax.sharding import AxisType, Mesh
 
 from shardlab.errors import ConfigError, unknown
 
-AXES = ("data", "stage", "fsdp", "expert", "sequence", "tensor")
+# `context`: context parallelism, the sequence split over devices for the whole model
+# (docs/long-context.md).
+AXES = ("data", "stage", "fsdp", "expert", "context", "tensor")
 CORE_AXES = ("data", "fsdp", "tensor")  # always present, size 1 if not given
 
 

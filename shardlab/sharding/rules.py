@@ -15,11 +15,14 @@ import dataclasses
 from jax.sharding import Mesh, PartitionSpec
 
 from shardlab.errors import ConfigError, unknown
+from shardlab.sharding.mesh import AXES as MESH_AXES
 
 # The names the bundled strategies speak. A module may use any of these, or register its own
 # (`register_axes("patches")`) and map them with rule overrides.
-BUILTIN_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab",
-                "layers")
+# `length` is the sequence where attention reads it (queries, keys, values, MLP, logits);
+# `residual_length` the residual stream's and the norms' (Megatron-SP splits only that one).
+BUILTIN_AXES = ("batch", "length", "residual_length", "embed", "heads", "kv_heads",
+                "head_dim", "mlp", "vocab", "layers")
 _registered: set[str] = set(BUILTIN_AXES)
 
 
@@ -31,7 +34,11 @@ def register_axes(*names: str) -> None:
   _registered.update(names)
 
 
-BATCH = {"batch": ("data", "fsdp")}
+# Context parallelism: every strategy splits the sequence over the `context` mesh axis, a
+# no-op on meshes without one (a mesh axis the mesh lacks counts as size 1).
+BATCH = {"batch": ("data", "fsdp"), "length": "context", "residual_length": "context"}
+# Megatron sequence parallelism: the residual stream between TP regions split over `tensor`.
+SEQUENCE = {"residual_length": ("context", "tensor")}
 TENSOR = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
 FSDP = {"embed": "fsdp"}
 ZERO = {"embed": ("data", "fsdp")}  # over every batch axis
@@ -51,6 +58,9 @@ STRATEGIES = {
     "fsdp": (FSDP, FSDP, BATCH, False, None),
     "tp": (TENSOR, TENSOR, {**BATCH, **TENSOR}, False, None),
     "fsdp_tp": ({**FSDP, **TENSOR}, {**FSDP, **TENSOR}, {**BATCH, **TENSOR}, False, None),
+    "tp_sp": (TENSOR, TENSOR, {**BATCH, **TENSOR, **SEQUENCE}, False, None),
+    "fsdp_tp_sp": ({**FSDP, **TENSOR}, {**FSDP, **TENSOR}, {**BATCH, **TENSOR, **SEQUENCE},
+                   False, None),
 }
 
 
@@ -123,6 +133,8 @@ def spec(names: tuple, shape: tuple, table: dict, mesh: Mesh, what: str) -> Part
     axes = []
     for axis in _axes(table.get(name)):
       if axis not in mesh.shape:
+        if axis in MESH_AXES:  # a mesh without this axis: size 1
+          continue
         raise unknown(f"mesh axis in the rule for {name!r}", axis, mesh.axis_names)
       if axis in used:  # a mesh axis can shard only one dim of a tensor
         continue
