@@ -113,6 +113,19 @@ def test_prefill_chunks_bound_the_scores():
   assert whole.decode_temp == chunked.decode_temp
 
 
+def test_devices_plans_the_fastest_layout_of_that_many():
+  fewest = inference_plan.plan(inf.Request(model="llama3-405b", target="h100-80g"))
+  sixteen = inference_plan.plan(inf.Request(model="llama3-405b", target="h100-80g",
+                                            devices=16))
+  assert sixteen.estimate.layout.n_devices == 16 and sixteen.fits
+  assert sixteen.estimate.layout.tensor == 8  # tensor parallel fills the node first
+  assert (sixteen.estimate.decode.tokens_per_s >
+          fewest.min_devices["overall"]["decode_tokens_per_s"])
+  too_few = inference_plan.plan(inf.Request(model="llama3-405b", target="h100-80g",
+                                            devices=4))
+  assert not too_few.fits  # shown with the least memory it can take, marked as not fitting
+
+
 def test_decode_is_bandwidth_bound_at_batch_one():
   req = inf.Request(model="llama3-70b", target="h100-80g", batch=1, context=8192)
   m, acc = registry.load("llama3-70b"), hardware.get("h100-80g")
