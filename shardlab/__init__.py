@@ -32,6 +32,8 @@ _API = {
     # the bundled models' runs, configured
     "Config": ("shardlab.config", "Config"),
     "setup": ("shardlab.training.run", "setup"),
+    "auto_layout": ("shardlab.plan.auto_layout", "auto_layout"),
+    "apply_layout": ("shardlab.plan.auto_layout", "apply"),
     "ConfigError": ("shardlab.errors", "ConfigError"),
 }
 

@@ -18,9 +18,10 @@ def add_model_mesh_strategy(p: argparse.ArgumentParser, model: str = DEFAULT_MOD
   p.add_argument("--model", default=model,
                  help=f"a preset ({', '.join(registry.presets())}) or a TOML model file")
   p.add_argument("--mesh", default=DEFAULT_MESH,
-                 help="preset (meshes/), TOML file, or inline 'data:1,fsdp:-1,tensor:2'")
+                 help="preset (meshes/), TOML file, or inline 'data:1,fsdp:-1,tensor:2'; "
+                      "train.py also takes auto (searched, see --auto-top)")
   p.add_argument("--strategy", default=DEFAULT_STRATEGY,
-                 help=" | ".join(rules.STRATEGIES))
+                 help=" | ".join(rules.STRATEGIES) + "; train.py also takes auto")
 
 
 def add_overrides(p: argparse.ArgumentParser, example: str = "train.lr=1e-3") -> None:

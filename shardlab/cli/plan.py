@@ -7,6 +7,8 @@ import sys
 
 from shardlab import config as config_lib
 from shardlab.errors import ConfigError
+from shardlab.plan import auto as plan_auto
+from shardlab.plan import auto_layout
 from shardlab.plan import compile as plan_compile
 from shardlab.plan import planner as plan_lib
 from shardlab.plan import plot as plan_plot
@@ -52,6 +54,11 @@ def plan_parser(prog: str = "shardlab plan") -> argparse.ArgumentParser:
   p.add_argument("--compile-on", default="auto", choices=("auto", "cpu", "tpu", "both"),
                  help="where --compile compiles: auto = the TPU topology for a TPU target "
                       "when libtpu is installed, else simulated CPU devices")
+  p.add_argument("--compile-top", type=int, default=4, metavar="K",
+                 help="with --search --compile: compile candidates in the search's order "
+                      "until K fit, and pick by the compiled programs (default 4)")
+  p.add_argument("--compile-budget-s", type=float, default=600.0, metavar="S",
+                 help="with --search --compile: start no compile after S seconds")
   p.add_argument("--json", action="store_true", help="print JSON instead of tables")
   p.add_argument("--inference", action="store_true",
                  help="plan serving instead (shardlab plan --inference --help)")
@@ -95,7 +102,12 @@ def plan_main(argv=None, prog: str = "shardlab plan") -> int:
     else:
       plan_compile.cpu_only()
     result = plan_lib.plan(req, search_meshes=args.search)
-    if args.compile:
+    choice = None
+    if args.compile and args.search:  # the top K, by their compiled programs
+      choice = auto_layout.for_request(
+          req, result.estimate.n_devices, "tpu" if "tpu" in where else "cpu",
+          args.compile_top, args.compile_budget_s, say=_stderr)
+    elif args.compile:
       result = plan_compile.attach(result, where)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
@@ -104,10 +116,17 @@ def plan_main(argv=None, prog: str = "shardlab plan") -> int:
     plan_plot.write(result, args.plot)
     print(f"wrote {args.plot}", file=sys.stderr)
   if args.json:
-    print(json.dumps(to_json(result, args.top), indent=2))
+    out = to_json(result, args.top)
+    print(json.dumps(out if choice is None else {**out, "compiled_search": choice.as_dict()},
+                     indent=2))
   else:
-    print(render(result, args.top))
+    print(render(result, args.top) +
+          ("" if choice is None else "\n\n" + "\n".join(plan_auto.render(choice))))
   return 0
+
+
+def _stderr(text: str) -> None:
+  print(text, file=sys.stderr, flush=True)
 
 
 def to_json(result, top: int) -> dict:

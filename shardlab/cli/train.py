@@ -8,6 +8,7 @@ import jax
 from shardlab import generate
 from shardlab.cli.args import add_model_mesh_strategy, add_overrides, add_simulate_devices
 from shardlab.cli.args import load_config, setup_devices
+from shardlab.cli.auto import add_auto_args, resolve_auto
 from shardlab.errors import ConfigError
 from shardlab.hf import weights as hf
 from shardlab.observe.progress import Activity
@@ -64,6 +65,7 @@ def train_parser(prog: str = "train.py") -> argparse.ArgumentParser:
                  help="multi-process: a process silent for S seconds is taken as dead and "
                       "every other one exits 4 naming it (default %(default)s)")
   p.add_argument("--quiet", action="store_true", help="no progress output")
+  add_auto_args(p)
   return p
 
 
@@ -105,7 +107,8 @@ def train_main(argv=None, prog: str = "train.py") -> int:
                                  args.init_timeout, args.heartbeat_timeout)
     if how and distributed.is_leader() and not args.quiet:
       print(f"distributed: {how}", flush=True)
-    cfg = config_from_args(args)
+    cfg = resolve_auto(config_from_args(args), args, args.fresh,
+                       say=(lambda text: None) if args.quiet else None)
     loop.train(cfg, quiet=args.quiet, fresh=args.fresh, overwrite=args.overwrite,
                stop_after=args.stop_after, param_sources={"hf": hf_params},
                on_finish=sampler(args.sample_tokens),

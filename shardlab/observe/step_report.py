@@ -61,7 +61,8 @@ def report(compiled, mesh: Mesh) -> StepReport:
                     get("generated_code_size_in_bytes"))
 
 
-def _bytes(n: float) -> str:
+def bytes_text(n: float) -> str:
+  """'2.56 MB': decimal units, as XLA and the step report print sizes."""
   for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
     if n >= scale:
       return f"{n / scale:.2f} {unit}"
@@ -69,13 +70,14 @@ def _bytes(n: float) -> str:
 
 
 def render(r: StepReport, title: str = "compiled train step, per device") -> list[str]:
-  lines = [f"{title}: arguments {_bytes(r.argument_bytes)}, outputs {_bytes(r.output_bytes)} "
-           f"({_bytes(r.alias_bytes)} aliased to arguments), temporaries "
-           f"{_bytes(r.temp_bytes)}, peak {_bytes(r.total_bytes)}"]
+  lines = [f"{title}: arguments {bytes_text(r.argument_bytes)}, outputs "
+           f"{bytes_text(r.output_bytes)} ({bytes_text(r.alias_bytes)} aliased to arguments), "
+           f"temporaries "
+           f"{bytes_text(r.temp_bytes)}, peak {bytes_text(r.total_bytes)}"]
   if not r.collectives:
     lines.append("  no collectives")
   for row in r.collectives:
     where = f"over {row.axes}" if row.axes else "within a device"
     lines.append(f"  {row.kind:18s} {where:22s} {row.count:5d} runs ({row.ops:3d} ops) "
-                 f"{_bytes(row.bytes):>10s}")
+                 f"{bytes_text(row.bytes):>10s}")
   return lines

@@ -25,7 +25,7 @@ import jax
 from shardlab.config import Config
 from shardlab.errors import ConfigError
 from shardlab.models import registry
-from shardlab.observe import hlo
+from shardlab.observe import hlo, hlo_flops
 from shardlab.sharding import mesh as mesh_lib
 from shardlab.sharding import rules as rules_lib
 from shardlab.training import run as run_lib
@@ -45,6 +45,7 @@ class CompiledReport:
   alias_bytes: int
   temp_bytes: int
   collectives: dict  # kind -> {"count", "bytes", "ops"}
+  flops: float = 0.0  # matmul FLOPs per device per step, loops unrolled (observe.hlo_flops)
 
   @property
   def total_bytes(self) -> int:
@@ -128,10 +129,11 @@ def compile_train_step(train_step, abstract: state_lib.Abstract,
     compiled = train_step.lower(state, batch).compile()
   seconds = time.perf_counter() - start
   mem = compiled.memory_analysis()
-  stats = hlo.summary(hlo.collectives(compiled.as_text()))
+  text = compiled.as_text()
   return CompiledReport(where, shardings.mesh.size, seconds, mem.argument_size_in_bytes,
                         mem.output_size_in_bytes, mem.alias_size_in_bytes,
-                        mem.temp_size_in_bytes, stats)
+                        mem.temp_size_in_bytes, hlo.summary(hlo.collectives(text)),
+                        hlo_flops.dot_flops(text))
 
 
 def compile_on_cpu(cfg: Config, n_devices: int) -> CompiledReport:

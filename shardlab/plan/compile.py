@@ -21,7 +21,7 @@ GiB = 2**30
 
 
 def inline_mesh(spec: mesh_lib.MeshSpec) -> str:
-  parts = [f"{a}:{s}" for a, s in spec.ici.items()]
+  parts = [f"{a}:{spec.ici.get(a, 1)}" for a in spec.axis_names]
   parts += [f"dcn.{a}:{s}" for a, s in spec.dcn.items() if s > 1]
   return ",".join(parts)
 

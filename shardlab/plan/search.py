@@ -80,12 +80,13 @@ def _try(req: Request, model, acc, spec, strategy: str) -> Estimate | None:
     return None
 
 
-def search(req: Request, model, acc, n: int) -> list[Estimate]:
+def search(req: Request, model, acc, n: int,
+           strategies: tuple[str, ...] = STRATEGIES) -> list[Estimate]:
   """Every distinct placement on n devices that is valid and fits, fastest (analytically)
   first; of candidates with the same placement, the fastest."""
   best: dict[tuple, Estimate] = {}
   dims = _dims(req, model, req.microbatches)
-  for strategy in STRATEGIES:
+  for strategy in strategies:
     rules = rules_lib.strategy(strategy, req.rules)
     for shape in factorizations(n):
       spec = split_ici_dcn(shape, acc.ici_domain)

@@ -21,7 +21,7 @@ Conventions (so every entry means the same thing):
 
 import dataclasses
 
-from shardlab.errors import unknown
+from shardlab.errors import ConfigError, unknown
 
 GiB = 2**30
 GB = 10**9
@@ -114,9 +114,43 @@ ACCELERATORS = {a.name: a for a in (
 
 
 def get(name: str) -> Accelerator:
+  """A listed accelerator by name, or one described in a TOML file (`from_file`)."""
+  if name.endswith(".toml"):
+    return from_file(name)
   if name not in ACCELERATORS:
     raise unknown("target accelerator", name, ACCELERATORS)
   return ACCELERATORS[name]
+
+
+def from_file(path: str) -> Accelerator:
+  """An accelerator from TOML: `base = "a100-80g"` and the fields that differ (a part with
+  less memory, a slower network), or every field. Sizes in bytes, bandwidths in bytes/s."""
+  import tomllib
+  try:
+    with open(path, "rb") as f:
+      fields = tomllib.load(f)
+  except (OSError, tomllib.TOMLDecodeError) as e:
+    raise ConfigError(f"target file {path!r}: {e}") from None
+  known = {f.name for f in dataclasses.fields(Accelerator)}
+  extra = set(fields) - known - {"base"}
+  if extra:
+    raise ConfigError(f"target file {path!r}: unknown field(s) {', '.join(sorted(extra))}; "
+                      f"valid: base, {', '.join(sorted(known))}")
+  base = dataclasses.asdict(get(fields.pop("base"))) if "base" in fields else {}
+  merged = {**base, "name": path, **fields}
+  missing = sorted(f.name for f in dataclasses.fields(Accelerator)
+                   if f.default is dataclasses.MISSING and f.name not in merged)
+  if missing:
+    raise ConfigError(f"target file {path!r} lacks {', '.join(missing)} (or give "
+                      f"base = one of {', '.join(ACCELERATORS)})")
+  acc = Accelerator(**merged)
+  for f in ("peak_flops", "hbm_bytes", "hbm_bw", "ici_bw", "dcn_bw", "ici_domain"):
+    if not getattr(acc, f) > 0:
+      raise ConfigError(f"target file {path!r}: {f} must be > 0, got {getattr(acc, f)}")
+  if acc.usable_bytes <= 0:
+    raise ConfigError(f"target file {path!r}: reserve_bytes {acc.reserve_bytes} leaves "
+                      f"nothing of hbm_bytes {acc.hbm_bytes}")
+  return acc
 
 
 def names() -> list[str]:

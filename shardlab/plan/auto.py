@@ -1,0 +1,242 @@
+"""`--strategy auto` / `--mesh auto`: a run picks its own layout, by formula and then by
+compiling it.
+
+1. Rank: every distinct placement (strategy × data·fsdp·tensor mesh, `search.search`) that
+   fits by formula, fastest first; with memory options also every remat policy and
+   microbatch count. A fixed strategy or mesh narrows the list.
+2. Compile in that order, with abstract inputs (nothing is allocated), for the devices that
+   will run the step or the target's TPU topology, until K candidates fit by XLA's memory
+   analysis, the list ends, or the time budget is spent (at least one is compiled).
+3. Predict each fitting candidate's step from its compiled program: its matmul FLOPs (loops
+   unrolled, `observe.hlo_flops`) at the target's achievable fraction of peak; its
+   collective bytes at the link speeds the formula found for that placement (the formula's
+   communication time scaled by compiled ÷ formula bytes); the formula's HBM traffic. The
+   largest term is the step, as in the planner.
+4. The winner: the fastest predicted step; ties go to less compiled memory, then to the
+   formula's order. Everything here is deterministic but the budget's clock: several
+   processes take process 0's choice.
+"""
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+from shardlab.errors import ConfigError
+from shardlab.observe.step_report import bytes_text
+from shardlab.plan import aot
+from shardlab.plan import compile as plan_compile
+from shardlab.plan.estimate import Estimate, Request, estimate, split_ici_dcn
+from shardlab.plan.search import divisors, search
+from shardlab.runtime import hardware
+from shardlab.sharding import mesh as mesh_lib
+from shardlab.sharding import rules as rules_lib
+
+MAX_MICROBATCH_OPTIONS = 6  # 1, 2, 4, ... : more only lengthens the formula's list
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+  """What the search may choose: the layout, and (with memory options) remat and
+  microbatches."""
+  strategy: str
+  mesh: str  # inline, as --mesh takes it
+  remat: str
+  microbatches: int
+
+
+@dataclasses.dataclass
+class Candidate:
+  option: Option
+  estimate: Estimate  # the formula's, for the target
+  spec: mesh_lib.MeshSpec
+  report: aot.CompiledReport | None = None
+  predicted_s: float | None = None  # from the compiled program
+  binding: str = ""
+  verdict: str = "not compiled"
+
+  @property
+  def fits(self) -> bool:
+    return self.verdict == "fits"
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  winner: Candidate
+  candidates: tuple[Candidate, ...]  # the formula's order
+  target: hardware.Accelerator
+  n_devices: int
+  compile_s: float
+
+  def as_dict(self) -> dict:
+    rows = [_row(c) for c in self.candidates]
+    return {"winner": _row(self.winner), "reason": self.reason(), "target": self.target.name,
+            "n_devices": self.n_devices, "compile_s": self.compile_s, "candidates": rows}
+
+  def reason(self) -> str:
+    w = self.winner
+    fit = [c for c in self.candidates if c.fits]
+    runner = min((c for c in fit if c is not w), key=_order, default=None)
+    rejected = sum(c.report is not None and not c.fits for c in self.candidates)
+    text = (f"{w.option.strategy} on {w.option.mesh} has the fastest predicted step of the "
+            f"{len(fit)} that fit when compiled ({seconds_text(w.predicted_s)}, bound by "
+            f"{w.binding})")
+    if runner is not None:
+      ahead = runner.predicted_s / w.predicted_s - 1
+      why = ("holds less memory" if w.report.total_bytes < runner.report.total_bytes else
+             "ranked first by formula")
+      text += (f", {ahead:.0%} ahead of {runner.option.strategy} on {runner.option.mesh}"
+               if ahead > 5e-4 else f"; as fast as {runner.option.strategy} on "
+               f"{runner.option.mesh}, it {why}")
+    if rejected:
+      text += f"; {rejected} did not fit by XLA's memory analysis"
+    return text
+
+
+def _row(c: Candidate) -> dict:
+  r = c.report
+  return {**dataclasses.asdict(c.option), "formula_step_s": c.estimate.step_s,
+          "formula_bytes": c.estimate.memory.total,
+          "compiled_bytes": None if r is None else r.total_bytes,
+          "predicted_step_s": c.predicted_s, "bound": c.binding, "verdict": c.verdict}
+
+
+def _order(c: Candidate) -> tuple:
+  return (round(c.predicted_s, 12), c.report.total_bytes)
+
+
+def options(req: Request, model, acc: hardware.Accelerator, n: int, strategy: str | None,
+            mesh: str | None, memory_options: bool,
+            vary_microbatches: bool = True) -> list[Candidate]:
+  """The formula's candidates, fastest first (one per distinct placement and remat and
+  microbatch count). `strategy` / `mesh` None: searched; else fixed. Memory options vary
+  remat, and the microbatch count unless `vary_microbatches` is False (a resumed run must
+  keep it)."""
+  remats = model.remat_policies if memory_options else (req.remat,)
+  counts = ([m for m in divisors(req.global_batch) if m & (m - 1) == 0]
+            [:MAX_MICROBATCH_OPTIONS] if memory_options and vary_microbatches
+            else [req.microbatches])
+  strategies = (strategy,) if strategy else tuple(rules_lib.STRATEGIES)
+  out = []
+  for remat in remats:
+    for m in counts:
+      r = dataclasses.replace(req, remat=remat, microbatches=m)
+      for e, spec in _fitting(r, model, acc, n, strategies, mesh):
+        out.append(Candidate(Option(e.strategy, plan_compile.inline_mesh(spec), remat, m), e,
+                             spec))
+  return sorted(out, key=lambda c: (round(c.estimate.step_s, 9), c.estimate.comm_s,
+                                    c.estimate.memory.total))
+
+
+def _fitting(req: Request, model, acc, n: int, strategies: tuple, mesh: str | None):
+  """(estimate, mesh spec) of each candidate that fits by formula."""
+  if mesh is None:
+    return [(e, split_ici_dcn(e.mesh_shape, acc.ici_domain))
+            for e in search(req, model, acc, n, strategies)]
+  spec = mesh_lib.load(mesh).resolve(n)
+  out = []
+  for s in strategies:
+    try:
+      e = estimate(req, model, acc, spec, s)
+    except ConfigError:
+      continue
+    if e.fits:
+      out.append((e, spec))
+  return out
+
+
+def predict(report: aot.CompiledReport, target_est: Estimate, compiled_est: Estimate,
+            acc: hardware.Accelerator, spec: mesh_lib.MeshSpec) -> tuple[float, str]:
+  """(step seconds, what bounds it) from a compiled program; `compiled_est` is the formula
+  spelled for the backend it was compiled on (XLA:CPU moves bf16 collectives as fp32)."""
+  compute = report.flops / (acc.peak_flops * acc.efficiency)
+  compiled_bytes = sum(k["bytes"] for k in report.collectives.values())
+  formula_bytes = sum(compiled_est.collectives.values())
+  if formula_bytes:
+    comm = target_est.comm_s * compiled_bytes / formula_bytes
+  else:  # traffic the formula has none of: over the slowest link the mesh has
+    comm = compiled_bytes / (acc.dcn_bw if spec.dcn else acc.ici_bw)
+  terms = {"compute": compute, "memory": target_est.memory_s, "communication": comm}
+  bound = max(terms, key=terms.get)
+  return terms[bound], bound
+
+
+def choose(req: Request, model, acc: hardware.Accelerator, n: int,
+           compile_fn: Callable[[Option], aot.CompiledReport], backend: str,
+           strategy: str | None = None, mesh: str | None = None, memory_options: bool = False,
+           vary_microbatches: bool = True, top_k: int = 4, budget_s: float = 600.0,
+           say: Callable[[str], None] = lambda text: None) -> Choice:
+  """Ranks by formula, compiles in that order (`compile_fn`), picks by the compiled
+  programs. `backend` is where compile_fn compiles ("cpu", "tpu", "gpu")."""
+  if top_k < 1 or budget_s <= 0:
+    raise ConfigError(f"auto layout: top K must be >= 1 and the budget > 0 s, got K={top_k}, "
+                      f"budget {budget_s} s")
+  cands = options(req, model, acc, n, strategy, mesh, memory_options, vary_microbatches)
+  if not cands:
+    raise ConfigError(f"auto layout: nothing fits {model.name} on {n} {acc.name} devices "
+                      f"by formula (global_batch {req.global_batch} × seq_len {req.seq_len}, "
+                      f"remat {req.remat!r}); `shardlab plan` says how many devices it needs")
+  start, fitting = time.perf_counter(), 0
+  for i, c in enumerate(cands):
+    spent = time.perf_counter() - start
+    if fitting >= top_k or (i and spent > budget_s):
+      c.verdict = (f"not compiled: {top_k} fit before it" if fitting >= top_k else
+                   f"not compiled: the {budget_s:g} s budget was spent")
+      continue
+    say(f"compiling {i + 1}/{len(cands)}: {c.option.strategy} on {c.option.mesh} "
+        f"(remat {c.option.remat}, {c.option.microbatches} microbatch(es))")
+    _compile(c, req, model, acc, compile_fn, backend)
+    fitting += c.fits
+  fit = [c for c in cands if c.fits]
+  seconds = time.perf_counter() - start
+  if not fit:
+    raise ConfigError("auto layout: no candidate fits by XLA's memory analysis:\n" +
+                      "\n".join(table_lines(cands, None, acc)))
+  return Choice(min(fit, key=_order), tuple(cands), acc, n, seconds)
+
+
+def _compile(c: Candidate, req: Request, model, acc, compile_fn, backend: str) -> None:
+  try:
+    c.report = compile_fn(c.option)
+  except ConfigError as e:
+    c.verdict = f"refused: {e}"
+    return
+  if c.report.total_bytes > acc.usable_bytes:
+    c.verdict = (f"does not fit: {bytes_text(c.report.total_bytes)} > "
+                 f"{bytes_text(acc.usable_bytes)}")
+    return
+  r = dataclasses.replace(req, remat=c.option.remat, microbatches=c.option.microbatches)
+  as_compiled = estimate(r, model, acc, c.spec, c.option.strategy, backend=backend)
+  c.predicted_s, c.binding = predict(c.report, c.estimate, as_compiled, acc, c.spec)
+  c.verdict = "fits"
+
+
+def seconds_text(s: float) -> str:
+  for unit, scale in (("s", 1.0), ("ms", 1e-3)):
+    if s >= scale:
+      return f"{s / scale:.3g} {unit}"
+  return f"{s * 1e6:.3g} µs"
+
+
+def table_lines(cands, winner: Candidate | None, acc) -> list[str]:
+  lines = [f"  {'strategy':8s} {'mesh':26s} {'remat':8s} {'mb':>3s} {'formula':>10s} "
+           f"{'memory':>10s} {'compiled':>10s} {'predicted':>10s}  verdict"]
+  for c in cands:
+    r, mark = c.report, "  <- chosen" if c is winner else ""
+    compiled = "-" if r is None else bytes_text(r.total_bytes)
+    predicted = "-" if c.predicted_s is None else seconds_text(c.predicted_s)
+    verdict = c.verdict + (f" ({c.binding})" if c.binding else "")
+    lines.append(f"  {c.option.strategy:8s} {c.option.mesh:26s} {c.option.remat:8s} "
+                 f"{c.option.microbatches:3d} {seconds_text(c.estimate.step_s):>10s} "
+                 f"{bytes_text(c.estimate.memory.total):>10s} {compiled:>10s} "
+                 f"{predicted:>10s}  {verdict}{mark}")
+  return lines
+
+
+def render(choice: Choice) -> list[str]:
+  n_compiled = sum(c.report is not None for c in choice.candidates)
+  return [f"auto layout on {choice.n_devices} × {choice.target.name} "
+          f"({bytes_text(choice.target.usable_bytes)} usable): {len(choice.candidates)} "
+          f"fit by formula, {n_compiled} compiled in {choice.compile_s:.1f} s "
+          f"(memory: formula per device; predicted: roofline on the compiled program)",
+          *table_lines(choice.candidates, choice.winner, choice.target),
+          f"chosen: {choice.reason()}"]
