@@ -33,6 +33,13 @@ def mask(q_pos_BxQ, q_seg_BxQ, k_pos_BxM, k_seg_BxM):
   return seen[:, None, None]
 
 
+def _in_loop(q_meta, k_pos, k_seg, carry):
+  """(q positions, q segments, k positions, k segments) tied to the loop's carry: XLA would
+  otherwise hoist every tile's mask out of the loops and build them all at once (a
+  B×Q×M bool per tile pair: 64 MiB for one 8192-token row on two devices)."""
+  return jax.lax.optimization_barrier((*q_meta, k_pos, k_seg, carry))[:4]
+
+
 def _scores(q, k, seen):
   s = jnp.einsum("bkgqe,bkme->bkgqm", q, k, preferred_element_type=F32) * q.shape[-1]**-0.5
   return jnp.where(seen, s, NEG)
@@ -68,7 +75,7 @@ def _fold(carry, q, kv, q_meta):
     def chunk(carry, kv_c):
       k, v, k_pos, k_seg = kv_c
       m, total, acc = carry
-      seen = mask(*q_meta, k_pos, k_seg)
+      seen = mask(*_in_loop(q_meta, k_pos, k_seg, m))
       s = _scores(q, k, seen)
       m_new = jnp.maximum(m, s.max(-1))
       p = jnp.where(seen, jnp.exp(s - m_new[..., None]), 0.0)
@@ -89,7 +96,7 @@ def _pair_grads(q, do, lse, delta, kv, q_meta):
 
   def tile(dq, q, do, lse, delta, q_meta, kv_c):
     k, v, k_pos, k_seg = kv_c
-    seen = mask(*q_meta, k_pos, k_seg)
+    seen = mask(*_in_loop(q_meta, k_pos, k_seg, dq))
     p = jnp.where(seen, jnp.exp(_scores(q, k, seen) - lse[..., None]), 0.0)
     dp = jnp.einsum("bkgqe,bkme->bkgqm", do, v, preferred_element_type=F32)
     ds = (p * (dp - delta[..., None]) * q.shape[-1]**-0.5).astype(q.dtype)
