@@ -40,8 +40,11 @@ BATCH = {"batch": ("data", "fsdp"), "length": "context", "residual_length": "con
 # Megatron sequence parallelism: the residual stream between TP regions split over `tensor`.
 SEQUENCE = {"residual_length": ("context", "tensor")}
 TENSOR = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
-FSDP = {"embed": "fsdp"}
-ZERO = {"embed": ("data", "fsdp")}  # over every batch axis
+# Devices that split the sequence hold the same weights, as batch replicas do: FSDP and ZeRO
+# shard the state over them too (else at a large context degree the whole state sits on each
+# of them).
+FSDP = {"embed": ("fsdp", "context")}
+ZERO = {"embed": ("data", "fsdp", "context")}  # over every axis that splits the tokens
 WHOLE: dict = {}  # every name replicated
 
 # ZeRO (Rajbhandari et al. 2020) in these terms: the stored weights (the fp32 master under a
@@ -84,6 +87,13 @@ class Rules:
   @property
   def batch_axes(self) -> tuple[str, ...]:
     return _axes(self.activations.get("batch"))
+
+  @property
+  def token_axes(self) -> tuple[str, ...]:
+    """The axes that split the tokens (batch rows and sequence): a weight's gradient is a
+    partial sum over each of them."""
+    length = _axes(self.activations.get("length"))
+    return self.batch_axes + tuple(a for a in length if a not in self.batch_axes)
 
 
 def _axes(value) -> tuple[str, ...]:
