@@ -187,7 +187,7 @@ def _every_estimate(req: plan.Request, n: int) -> list:
   """Every valid (strategy, factorisation) on n devices, by brute force."""
   model, acc = registry.load(req.model), hardware.get(req.target)
   out = []
-  for shape in plan.factorizations(n):
+  for shape in plan.factorizations(n, req.seq_len):
     for strategy in plan.STRATEGIES:
       try:
         out.append(plan.estimate(req, model, acc, plan.split_ici_dcn(shape, acc.ici_domain),

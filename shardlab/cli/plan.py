@@ -7,9 +7,11 @@ import sys
 
 from shardlab import config as config_lib
 from shardlab.errors import ConfigError
+from shardlab.models import registry
 from shardlab.plan import auto as plan_auto
 from shardlab.plan import auto_layout
 from shardlab.plan import compile as plan_compile
+from shardlab.plan import longest_context
 from shardlab.plan import planner as plan_lib
 from shardlab.plan import plot as plan_plot
 from shardlab.runtime import hardware
@@ -59,6 +61,13 @@ def plan_parser(prog: str = "shardlab plan") -> argparse.ArgumentParser:
                       "until K fit, and pick by the compiled programs (default 4)")
   p.add_argument("--compile-budget-s", type=float, default=600.0, metavar="S",
                  help="with --search --compile: start no compile after S seconds")
+  p.add_argument("--longest-context", action="store_true",
+                 help="the longest --seq-len that fits on --devices, per context-parallel "
+                      "degree (fsdp or fsdp_tp_sp layouts), instead of the plan")
+  p.add_argument("--attention", choices=("xla", "flash", "auto"),
+                 help="the model's attention implementation (default: the model's)")
+  p.add_argument("--kv-exchange", choices=("all-gather", "ring"),
+                 help="context parallelism's KV exchange (default: the model's)")
   p.add_argument("--json", action="store_true", help="print JSON instead of tables")
   p.add_argument("--inference", action="store_true",
                  help="plan serving instead (shardlab plan --inference --help)")
@@ -101,6 +110,8 @@ def plan_main(argv=None, prog: str = "shardlab plan") -> int:
       plan_compile.prepare_cpu_devices(req)
     else:
       plan_compile.cpu_only()
+    if args.longest_context:
+      return _longest_context(req, args)
     result = plan_lib.plan(req, search_meshes=args.search)
     choice = None
     if args.compile and args.search:  # the top K, by their compiled programs
@@ -122,6 +133,26 @@ def plan_main(argv=None, prog: str = "shardlab plan") -> int:
   else:
     print(render(result, args.top) +
           ("" if choice is None else "\n\n" + "\n".join(plan_auto.render(choice))))
+  return 0
+
+
+def _longest_context(req, args) -> int:
+  if req.devices is None:
+    raise ConfigError("--longest-context needs --devices N")
+  model = registry.load(req.model)
+  changes = {k: v for k, v in (("attention", args.attention),
+                               ("kv_exchange", args.kv_exchange)) if v}
+  model = dataclasses.replace(model, **changes) if changes else model
+  acc = hardware.get(req.target)
+  rows = longest_context.longest(req, model, acc, req.devices)
+  if args.json:
+    print(json.dumps([{"context": r.context, "seq_len": r.seq_len,
+                       "strategy": r.best and r.best.strategy, "mesh": r.best and r.best.mesh,
+                       "bytes_per_device": r.best and r.best.memory.total,
+                       "tokens_per_s": r.best and r.best.tokens_per_s} for r in rows],
+                     indent=2))
+  else:
+    print("\n".join(longest_context.render(rows, model, acc, req.devices, req.global_batch)))
   return 0
 
 

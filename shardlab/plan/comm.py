@@ -30,7 +30,7 @@ from shardlab.training.state import path_of
 from shardlab.runtime.hardware import Accelerator
 from shardlab.plan.memory import ActivationShapes
 
-KINDS = ("all-gather", "reduce-scatter", "all-reduce")
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
 EMBEDDING = ("vocab", "embed")  # a tied table: looked up and used as the output head
 
 
@@ -84,7 +84,7 @@ def param_transfers(abstract, rules: rules_lib.Rules, mesh, policy, microbatches
   stored weights, per leaf."""
   names = {path_of(p): n for p, n in
            _flat(abstract.names, is_leaf=lambda x: isinstance(x, tuple))}
-  batch = {a for a in rules.batch_axes if mesh.shape.get(a, 1) > 1}
+  batch = {a for a in rules.token_axes if mesh.shape.get(a, 1) > 1}
   compute_bytes = jnp.dtype(policy.compute_dtype).itemsize
   reduce_scatter = backend.reduce_scatter
   out = []
@@ -151,18 +151,48 @@ def _reduction(reduce: set, g_axes: set, g_bytes: float, mesh, reduce_scatter: b
   return out
 
 
+def context_transfers(m, a: ActivationShapes, rules: rules_lib.Rules, mesh, p: int,
+                      remat: str, microbatches: int) -> list[Transfer]:
+  """Context parallelism's KV exchange per layer and microbatch (models/context.py), K and V
+  with their positions and segment ids (int32):
+    all-gather  forward gathers the whole K/V (again under full remat); backward
+                reduce-scatters dK/dV in fp32;
+    ring        forward passes the local K/V block on c-1 times; backward passes it on c-1
+                times more and the fp32 dK/dV accumulators c times (they end at home);
+  and the zig-zag layout's permute of the B×L×D output, forward and backward."""
+  axes = tuple(sorted(x for x in rules_lib._axes(rules.activations.get("length"))
+                      if mesh.shape.get(x, 1) > 1))
+  c = a.context
+  if c == 1 or not axes:
+    return []
+  kv, meta = 2 * a.kv * p, 2 * a.positions * 4
+  forwards = 2 if remat == "full" else 1
+  per = m.n_layers * microbatches
+  if a.ring:
+    out = [Transfer("collective-permute",
+                    per * ((forwards + 1) * (c - 1) * kv + c * 2 * a.kv * 4 +
+                           forwards * (c - 1) * meta), axes, "ring K/V blocks and dK/dV")]
+  else:
+    out = [Transfer("all-gather", per * forwards * c * (kv + meta), axes, "K/V for attention"),
+           Transfer("reduce-scatter", per * c * 2 * a.kv * 4, axes, "dK/dV")]
+  return out + [Transfer("collective-permute", 2 * a.d * p * microbatches, axes,
+                         "zig-zag layout of the output")]
+
+
 def activation_transfers(m, a: ActivationShapes, rules: rules_lib.Rules, mesh,
                          p: int, remat: str, microbatches: int) -> list[Transfer]:
-  """Tensor-parallel all-reduces of the residual stream (Megatron's f/g operators)."""
+  """Tensor-parallel all-reduces of the residual stream (Megatron's f/g operators) and
+  context parallelism's KV exchange."""
+  out = context_transfers(m, a, rules, mesh, p, remat, microbatches)
   tensor = tuple(sorted(a_ for a_ in rules_lib._axes(rules.activations.get("heads"))
                         if mesh.shape.get(a_, 1) > 1))
   if not tensor:
-    return []
+    return out
   # Forward: after o-proj and down-proj. Backward: XLA reduces each projection's input
   # gradient on its own (q, k, v; gate, up) rather than summing them first. Full remat
   # repeats the o-proj one (the layer's output itself is not needed again).
   per_layer = 2 + 5 + (1 if remat == "full" else 0)
-  out = [Transfer("all-reduce", m.n_layers * per_layer * a.d * p * microbatches, tensor,
+  out += [Transfer("all-reduce", m.n_layers * per_layer * a.d * p * microbatches, tensor,
                   "attention/MLP outputs and input grads")]
   vocab = tuple(sorted(a_ for a_ in rules_lib._axes(rules.activations.get("vocab"))
                        if mesh.shape.get(a_, 1) > 1))
@@ -184,6 +214,8 @@ def transfer_time(t: Transfer, mesh_spec, acc: Accelerator) -> float:
   buffer, the DCN part only its 1/n_ici share (reduce-scatter inside, then across)."""
   n_ici = math.prod(mesh_spec.ici.get(a, 1) for a in t.axes)
   n_dcn = math.prod(mesh_spec.dcn.get(a, 1) for a in t.axes)
+  if t.kind == "collective-permute":  # each buffer crosses one link, the slowest on the ring
+    return t.bytes / (acc.dcn_bw if n_dcn > 1 else acc.ici_bw)
   factor = 2.0 if t.kind == "all-reduce" else 1.0
   time = factor * t.bytes * (n_ici - 1) / n_ici / acc.ici_bw if n_ici > 1 else 0.0
   if n_dcn > 1:

@@ -158,7 +158,8 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
   # The batch check needs only the rules and the mesh: run it before the shardings (speed).
   step_lib.check_batch(train.global_batch, train.microbatches,
                        types.SimpleNamespace(rules=rules, mesh=mesh))
-  abstract = _abstract(model, train)
+  # The state's shapes do not depend on the sequence: one abstract state for every length.
+  abstract = _abstract(model, dataclasses.replace(train, seq_len=1, loss_chunk=0))
   sh = state_lib.shardings(abstract, rules, mesh)
 
   p = jnp.dtype(policy.compute_dtype).itemsize
@@ -168,7 +169,7 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
   batch_shards = math.prod(mesh.shape[a] for a in rules.batch_axes if a in mesh.shape)
   gathered, head_gathered = _gathered_bytes(abstract, rules, mesh, p)
   acts, batch_bytes, shapes = plan_memory.activation_memory(model, train, p, rules.activations,
-                                                            mesh, head_gathered)
+                                                            mesh, head_gathered, be.name)
   memory = plan_memory.Memory(activations=acts, gathered=gathered, batch=batch_bytes, **state)
 
   transfers = (plan_comm.param_transfers(abstract, rules, mesh, policy,
@@ -178,7 +179,8 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
                                               train.remat, train.microbatches))
   tensor_shards = math.prod(mesh.shape[a] for a in rules_lib._axes(
       rules.activations.get("heads")) if a in mesh.shape)
-  tokens_per_device = req.global_batch * req.seq_len / batch_shards / tensor_shards
+  tokens_per_device = (req.global_batch * req.seq_len / batch_shards / shapes.context /
+                       tensor_shards)
   flops = plan_comm.hardware_flops_per_token(model, req.seq_len, req.remat) * tokens_per_device
   model_flops = model.flops_per_token(req.seq_len) * tokens_per_device
   compute_s = flops / (acc.peak_flops * acc.efficiency)  # no step runs at peak

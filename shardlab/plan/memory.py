@@ -31,10 +31,15 @@ import math
 import jax
 import jax.numpy as jnp
 
-from shardlab.sharding import rules as rules_lib
 from shardlab.config import TrainConfig
+from shardlab.models import attention
+from shardlab.sharding import rules as rules_lib
 
 GB = 1e9
+FLASH_BLOCK = 512  # the query/key block of models/attention.py and models/ring.py
+# Flash attention's custom-VJP residuals beyond the layer's own (its head-major copies of q
+# and the output, of k and v), and the fp32 block tiles its backward holds at once.
+FLASH_SAVED_Q, FLASH_SAVED_KV, FLASH_TILES, RING_TILES = 2, 2, 5, 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +83,13 @@ def shard_elems(shape: tuple, names: tuple, table: dict, mesh, what: str) -> int
     for axis in (axes,) if isinstance(axes, str) else (axes or ()):
       n //= mesh.shape[axis]
   return n
+
+
+def dim_shards(names: tuple, shape: tuple, dim: int, table: dict, mesh) -> int:
+  """Into how many pieces `table` splits dim `dim` of a tensor with logical `names`."""
+  spec = rules_lib.spec(names, shape, table, mesh, f"activation {names}")
+  entry = spec[dim] if dim < len(spec) else None
+  return math.prod(mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry or ()))
 
 
 def tree_shard_bytes(abstract_tree, sharding_tree, dtype=None) -> float:
@@ -130,7 +142,13 @@ class ActivationShapes:
   mlp: int  # B×L×F
   logits: int  # B×L×V
   tokens: int  # B×(L+1) int32
+  positions: int  # B×L: per-token positions and segment ids, split as the sequence is
   head: int = 0  # D×V: the head's weight gradient where it is computed (before reduction)
+  # Flash attention (blockwise, or ring under context parallelism): `scores` is then one
+  # block pair's tile, B×H×C×C, never the whole L×L.
+  flash: bool = False
+  context: int = 1  # devices the sequence is split over (the `length` rule's mesh axes)
+  ring: bool = False  # the KV exchange, when context > 1: ring, else all-gather
 
 
 # What autodiff saves per layer of a model that does not say (`saved_activations` on its
@@ -139,30 +157,49 @@ SAVED = {"d": (4, 2), "q": (0, 2), "kv": (0, 2), "scores": (1, 1), "mlp": (0, 6)
 MATMUL_OUTPUTS = {"d": 1, "q": 1, "kv": 2, "mlp": 2}
 
 
-def activation_shapes(m, micro_batch: int, seq_len: int, table: dict,
-                      mesh) -> ActivationShapes:
+def attention_kind(m, platform: str) -> str:
+  """"flash" or "xla": what model.attention runs as on `platform` (models/attention)."""
+  return attention.resolve(getattr(m, "attention", "xla"), platform)
+
+
+def activation_shapes(m, micro_batch: int, seq_len: int, table: dict, mesh,
+                      platform: str = "cpu") -> ActivationShapes:
   b, s = micro_batch, seq_len
   g = m.n_heads // m.n_kv_heads
 
   def n(shape, names, what):
     return shard_elems(shape, names, table, mesh, f"activation {what} {names}")
 
+  context = dim_shards(("batch", "length"), (b, s), 1, table, mesh)
+  flash = attention_kind(m, platform) == "flash"
+  if flash:  # one query block's tile against one key block
+    tile = min(FLASH_BLOCK, s // context)
+    scores = n((b, m.n_kv_heads, g, tile * context, tile),
+               ("batch", "kv_heads", None, "length", None), "score tile")
+  else:
+    scores = n((b, m.n_kv_heads, g, s, s), ("batch", "kv_heads", None, "length", None),
+               "scores")
   return ActivationShapes(
       d=n((b, s, m.d_model), ("batch", "length", "embed"), "x"),
       q=n((b, s, m.n_heads, m.head_dim), ("batch", "length", "heads", "head_dim"), "q"),
       kv=n((b, s, m.n_kv_heads, m.head_dim), ("batch", "length", "kv_heads", "head_dim"), "k"),
-      scores=n((b, m.n_kv_heads, g, s, s), ("batch", "kv_heads", None, "length", None),
-               "scores"),
+      scores=scores,
       mlp=n((b, s, m.mlp_dim), ("batch", "length", "mlp"), "h"),
       logits=n((b, s, m.vocab_size), ("batch", "length", "vocab"), "logits"),
-      tokens=n((b, s + 1), ("batch", "length"), "tokens"),
+      tokens=n((b, s + 1), ("batch", None), "tokens"),  # the batch splits rows only
+      positions=n((b, s), ("batch", "length"), "positions"),
       head=n((m.d_model, m.vocab_size), ("embed", "vocab"), "head gradient"),
+      flash=flash, context=context,
+      ring=context > 1 and getattr(m, "kv_exchange", "all-gather") == "ring",
   )
 
 
 def _saved_by_shape(a: ActivationShapes, p: int, m) -> dict[str, float]:
   counts = getattr(m, "saved_activations", SAVED)
-  return {k: getattr(a, k) * (4 * f32 + p * low) for k, (f32, low) in counts.items()}
+  out = {k: getattr(a, k) * (4 * f32 + p * low) for k, (f32, low) in counts.items()}
+  if a.flash:  # no probabilities: the kernel keeps its own q, k, v, output and fp32 lse
+    out["scores"] = a.q * FLASH_SAVED_Q * p + a.kv * FLASH_SAVED_KV * p + a.q / m.head_dim * 4
+  return out
 
 
 def layer_saved_bytes(a: ActivationShapes, p: int, remat: str, m=None) -> float:
@@ -195,11 +232,26 @@ def layer_backward_transient(a: ActivationShapes, p: int, remat: str, m=None) ->
   reference grid: 10 bytes a score), whichever is larger.
   """
   if remat == "none":
-    return max(a.mlp * 3 * p, a.scores * (4 + p)) + a.d * 2 * p
+    return max(a.mlp * 3 * p, _attention_backward(a, p)) + a.d * 2 * p
   part = dict.fromkeys(("d", "q", "kv", "scores", "mlp"), 0.0) | _saved_by_shape(a, p, m)
-  attention = part["q"] + part["kv"] + part["scores"] + a.scores * 10
+  attention = part["q"] + part["kv"] + part["scores"] + (
+      _attention_backward(a, p) if a.flash else a.scores * 10)
   rebuilt = part["d"] + max(part["mlp"] + a.mlp * 3 * p, attention)
   return max(rebuilt - layer_saved_bytes(a, p, remat, m), 0.0)
+
+
+def _attention_backward(a: ActivationShapes, p: int) -> float:
+  """Attention's backward beyond its inputs: the fp32 score gradient and its cast, or for
+  flash attention fp32 block tiles with the fp32 dq accumulator, and under an all-gather KV
+  exchange the gathered K/V with their fp32 gradients; ring attention's backward holds twice
+  the tiles (both halves of a visited block). Tile counts fitted to XLA:CPU's buffer
+  assignment (tests/test_plan_context.py)."""
+  if not a.flash:
+    return a.scores * (4 + p)
+  if a.ring:  # the visiting block and the next in flight, with their fp32 gradients
+    return a.scores * 4 * RING_TILES + a.q * 4 + 2 * 2 * a.kv * (p + 4)
+  gathered = 2 * a.kv * a.context * (p + 4) if a.context > 1 else 0.0
+  return a.scores * 4 * FLASH_TILES + a.q * 4 + gathered
 
 
 def loss_transients(a: ActivationShapes, p: int) -> tuple[float, float]:
@@ -210,7 +262,8 @@ def loss_transients(a: ActivationShapes, p: int) -> tuple[float, float]:
 
 
 def activation_memory(m, t: TrainConfig, p: int, table: dict, mesh,
-                      head_gathered: float = 0.0) -> tuple[float, float, ActivationShapes]:
+                      head_gathered: float = 0.0,
+                      platform: str = "cpu") -> tuple[float, float, ActivationShapes]:
   """(activation bytes per device at the step's peak, token-batch bytes, shapes).
 
   On top of what every layer keeps: the largest of the loss stage's forward, its backward and
@@ -220,7 +273,8 @@ def activation_memory(m, t: TrainConfig, p: int, table: dict, mesh,
   once the layers' buffers are free). That gradient takes the place of the largest gathered
   buffer (`head_gathered` bytes, counted with the gathered weights: under FSDP the head
   itself, dead once the logits' input gradient is computed)."""
-  a = activation_shapes(m, t.global_batch // t.microbatches, t.seq_len, table, mesh)
+  a = activation_shapes(m, t.global_batch // t.microbatches, t.seq_len, table, mesh,
+                        platform)
   saved = m.n_layers * layer_saved_bytes(a, p, t.remat, m) + a.d * p  # + embedding output
   loss_forward, loss_backward = loss_transients(a, p)
   transient = max(loss_forward, max(layer_backward_transient(a, p, t.remat, m),

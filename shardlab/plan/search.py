@@ -1,6 +1,6 @@
-"""Searches over meshes: every data × fsdp × tensor factorisation × strategy that is a distinct
-placement with no idle axis, fastest first; and the fewest devices that fit, at the requested
-microbatch count and at any.
+"""Searches over meshes: every data × fsdp × tensor (× context, for long sequences)
+factorisation × strategy that is a distinct placement with no idle axis, fastest first; and
+the fewest devices that fit, at the requested microbatch count and at any.
 
 Two candidates are one placement when every table puts every logical name on the same number
 of devices inside the fast domain and across DCN (fsdp on a mesh with fsdp=1 is dp; zero1 with
@@ -9,6 +9,7 @@ nothing the model has only replicates work: such meshes are dropped.
 """
 
 import dataclasses
+import itertools
 import math
 import sys
 
@@ -20,16 +21,33 @@ from shardlab.sharding import mesh as mesh_lib
 from shardlab.sharding import rules as rules_lib
 
 CORE = ("data", "fsdp", "tensor")
+# Context parallelism joins a search only where each device keeps at least this many tokens
+# of a sequence: below it attention's per-layer exchange outweighs what it saves.
+MIN_CONTEXT_SHARD = 1024
 LONG_SCAN = 200  # candidates (a few ms each) past which a terminal gets a progress bar
 PRUNE_AT = 40  # candidates past which strategies that can never fit are ruled out first
 
 
-def factorizations(n: int) -> list[dict]:
-  """Every data × fsdp × tensor = n."""
+def context_sizes(seq_len: int | None) -> list[int]:
+  """Context-parallel degrees worth searching for a sequence length: 1, and each power of two
+  c that the zig-zag layout can split (seq_len divisible by 2c) leaving every device at least
+  MIN_CONTEXT_SHARD tokens."""
+  out, c = [1], 2
+  while seq_len and seq_len % (2 * c) == 0 and seq_len // c >= MIN_CONTEXT_SHARD:
+    out.append(c)
+    c *= 2
+  return out
+
+
+def factorizations(n: int, seq_len: int | None = None) -> list[dict]:
+  """Every data × fsdp × tensor (× context, for a long enough `seq_len`) = n."""
   out = []
-  for t in (d for d in range(1, n + 1) if n % d == 0):
-    for f in (d for d in range(1, n // t + 1) if (n // t) % d == 0):
-      out.append({"data": n // t // f, "fsdp": f, "tensor": t})
+  for c in (c for c in context_sizes(seq_len) if n % c == 0):
+    m = n // c
+    for t in (d for d in range(1, m + 1) if m % d == 0):
+      for f in (d for d in range(1, m // t + 1) if (m // t) % d == 0):
+        out.append({"data": m // t // f, "fsdp": f, "tensor": t} | ({"context": c} if c > 1
+                                                                     else {}))
   return out
 
 
@@ -88,7 +106,7 @@ def search(req: Request, model, acc, n: int,
   dims = _dims(req, model, req.microbatches)
   for strategy in strategies:
     rules = rules_lib.strategy(strategy, req.rules)
-    for shape in factorizations(n):
+    for shape in factorizations(n, req.seq_len):
       spec = split_ici_dcn(shape, acc.ici_domain)
       key = placement(rules, spec, dims)
       e = None if key is None else _try(req, model, acc, spec, strategy)
@@ -122,32 +140,33 @@ def candidates(req: Request, model, acc, microbatches: int,
   for strategy in STRATEGIES:
     rules = rules_lib.strategy(strategy, req.rules)
     sizes = _axis_sizes(rules, dims)
-    for t in sizes["tensor"]:
-      for f in sizes["fsdp"]:
-        for d in sizes["data"]:
-          shards = math.prod({"data": d, "fsdp": f}.get(a, 1) for a in rules.batch_axes)
-          if d * f * t > bound or dims["batch"] % shards:
-            continue
-          spec = split_ici_dcn({"data": d, "fsdp": f, "tensor": t}, acc.ici_domain)
-          key = placement(rules, spec, dims)
-          if key is not None and key not in seen:
-            seen.add(key)
-            by_n.setdefault(d * f * t, []).append((strategy, spec))
+    for shape in itertools.product(sizes["tensor"], sizes["fsdp"], sizes["data"],
+                                   context_sizes(req.seq_len)):
+      t, f, d, c = shape
+      shards = math.prod({"data": d, "fsdp": f}.get(a, 1) for a in rules.batch_axes)
+      if d * f * t * c > bound or dims["batch"] % shards:
+        continue
+      axes = {"data": d, "fsdp": f, "tensor": t} | ({"context": c} if c > 1 else {})
+      spec = split_ici_dcn(axes, acc.ici_domain)
+      key = placement(rules, spec, dims)
+      if key is not None and key not in seen:
+        seen.add(key)
+        by_n.setdefault(d * f * t * c, []).append((strategy, spec))
   return dict(sorted(by_n.items()))
 
 
 def _never_fit(req: Request, model, acc, by_n: dict, seen: list) -> set[str]:
   """Strategies nothing fits under. Memory only falls as the data or tensor axis grows (by a
-  multiple) with fsdp fixed — every term is divided by them or independent of them — so for
-  each fsdp size the mesh with the largest data and tensor axes bounds all the others. (Not
-  fsdp: at fsdp=1 nothing is gathered.) A strategy is ruled out only when every such mesh is
+  multiple) with fsdp and context fixed — every term is divided by them or independent of
+  them — so for each fsdp and context size the mesh with the largest data and tensor axes
+  bounds all the others. (Not fsdp or context: at 1 nothing is gathered.) A strategy is ruled out only when every such mesh is
   valid and does not fit."""
   groups: dict[tuple, list] = {}
   for cands in by_n.values():
     for strategy, spec in cands:
-      groups.setdefault((strategy, spec.size("fsdp")), []).append(spec)
+      groups.setdefault((strategy, spec.size("fsdp"), spec.size("context")), []).append(spec)
   fits = {s: False for s in STRATEGIES}
-  for (strategy, _), specs in groups.items():
+  for (strategy, *_), specs in groups.items():
     top = max(specs, key=lambda s: s.n_devices)
     if any(top.size(a) % s.size(a) for s in specs for a in ("data", "tensor")):
       fits[strategy] = True  # no single mesh bounds the group: keep scanning it
