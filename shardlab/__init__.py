@@ -33,7 +33,6 @@ _API = {
     "Config": ("shardlab.config", "Config"),
     "setup": ("shardlab.training.run", "setup"),
     "auto_layout": ("shardlab.plan.auto_layout", "auto_layout"),
-    "apply_layout": ("shardlab.plan.auto_layout", "apply"),
     "ConfigError": ("shardlab.errors", "ConfigError"),
 }
 

@@ -50,7 +50,7 @@ def resolve_auto(cfg: Config, args, fresh: bool, say=None) -> Config:
   if distributed.is_leader():
     say("\n".join(auto.render(choice)))
     record(cfg.run_dir, choice)
-  return auto_layout.apply(cfg, choice)
+  return choice.apply(cfg)
 
 
 def record(run_dir: str | None, choice: auto.Choice) -> None:

@@ -43,6 +43,13 @@ class Option:
   remat: str
   microbatches: int
 
+  def apply(self, cfg, precision: str | None = None):
+    """A run Config (shardlab.config.Config) with this strategy, mesh, remat and microbatches
+    (and `precision`, when given)."""
+    train = dataclasses.replace(cfg.train, remat=self.remat, microbatches=self.microbatches,
+                                **({"precision": precision} if precision else {}))
+    return dataclasses.replace(cfg, strategy=self.strategy, mesh=self.mesh, train=train)
+
 
 @dataclasses.dataclass
 class Candidate:
@@ -66,6 +73,10 @@ class Choice:
   target: hardware.Accelerator
   n_devices: int
   compile_s: float
+
+  def apply(self, cfg):
+    """`cfg` with the winner's strategy, mesh, remat and microbatches."""
+    return self.winner.option.apply(cfg)
 
   def as_dict(self) -> dict:
     rows = [_row(c) for c in self.candidates]

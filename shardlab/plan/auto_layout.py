@@ -2,7 +2,7 @@
 devices that will run it or for a target that is not attached.
 
     choice = auto_layout(cfg)                     # the attached devices
-    cfg = apply(cfg, choice)                      # strategy, mesh (remat, microbatches)
+    cfg = choice.apply(cfg)                       # strategy, mesh (remat, microbatches)
     choice = auto_layout(cfg, target="tpu-v5e", n_devices=256)   # planning, nothing attached
 """
 
@@ -68,17 +68,6 @@ def request(cfg: Config, n_devices: int, precision: str) -> Request:
                  devices=n_devices, rules=cfg.rules)
 
 
-def apply(cfg: Config, choice: auto.Choice) -> Config:
-  """`cfg` with the winner's strategy, mesh, remat and microbatches."""
-  return with_option(cfg, choice.winner.option)
-
-
-def with_option(cfg: Config, o: auto.Option, precision: str | None = None) -> Config:
-  train = dataclasses.replace(cfg.train, remat=o.remat, microbatches=o.microbatches,
-                              **({"precision": precision} if precision else {}))
-  return dataclasses.replace(cfg, strategy=o.strategy, mesh=o.mesh, train=train)
-
-
 def auto_layout(cfg: Config, devices=None, target: str | None = None,
                 n_devices: int | None = None, top_k: int = 4, budget_s: float = 600.0,
                 memory_options: bool = False, vary_microbatches: bool = True,
@@ -99,7 +88,7 @@ def auto_layout(cfg: Config, devices=None, target: str | None = None,
   req = request(cfg, n_devices, precision)
 
   def compile_fn(o: auto.Option) -> aot.CompiledReport:
-    run_cfg = with_option(cfg, o, precision)
+    run_cfg = o.apply(cfg, precision)
     if not planning:
       return aot.compile_step(run_cfg, devices, f"{devices[0].platform} x{n_devices}")
     if backend == "tpu":
