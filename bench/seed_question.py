@@ -15,6 +15,8 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import math  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -41,8 +43,12 @@ def training_cell(model: str, target: str) -> str:
   best = mins["any_microbatches"]
   if best is None:
     return "does not fit"
-  return (f"**{best['devices']}** ({best['strategy']}, {best['microbatches']} microbatch"
-          f"{'es' if best['microbatches'] > 1 else ''}, {best['step_s']:.0f} s/step)")
+  # The sequence split (context parallelism), if it is: "context=4" or "context=1×2dcn".
+  context = re.search(r"context=(\S+)", best["mesh"])
+  degree = math.prod(int(n) for n in re.findall(r"\d+", context.group(1))) if context else 1
+  return (f"**{best['devices']}** ({best['strategy']}"
+          f"{f', context {degree}' if degree > 1 else ''}, {best['microbatches']} "
+          f"microbatch{'es' if best['microbatches'] > 1 else ''}, {best['step_s']:.0f} s/step)")
 
 
 def serving_cell(model: str, target: str, weights: str, batch: int) -> str:
