@@ -36,7 +36,7 @@ def plan_parser(prog: str = "shardlab plan") -> argparse.ArgumentParser:
   p.add_argument("--seq-len", type=int, default=2048)
   p.add_argument("--remat", default="full", help="none | full | save-matmul-outputs")
   p.add_argument("--microbatches", type=int, default=1, help="gradient accumulation steps")
-  p.add_argument("--strategy", default="fsdp", help="dp | zero1 | zero2 | fsdp | tp | fsdp_tp")
+  p.add_argument("--strategy", default="fsdp", help=" | ".join(plan_lib.STRATEGIES))
   p.add_argument("--mesh", help="preset (meshes/), TOML file, or inline 'data:2,fsdp:-1'")
   p.add_argument("--devices", type=int, help="device count (sizes a -1 mesh axis, or picks "
                                               "the strategy's usual mesh)")
