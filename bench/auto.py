@@ -33,11 +33,14 @@ def default_choice(choice: auto.Choice, top: int) -> auto.Candidate:
   return min(fitting, key=lambda c: (round(c.predicted_s, 12), c.report.total_bytes))
 
 
-def concordance(rows: list[dict]) -> float:
+def concordance(rows: list[dict]) -> tuple[float, int, int]:
+  """(the share of the pairs the prediction orders that the measurement orders alike, pairs
+  predicted equal, pairs)."""
   pairs = list(itertools.combinations(rows, 2))
+  ordered = [(a, b) for a, b in pairs if a["predicted_s"] != b["predicted_s"]]
   same = sum((a["predicted_s"] - b["predicted_s"]) * (a["measured_s"] - b["measured_s"]) > 0
-             for a, b in pairs)
-  return same / len(pairs) if pairs else 1.0
+             for a, b in ordered)
+  return (same / len(ordered) if ordered else float("nan")), len(pairs) - len(ordered), len(pairs)
 
 
 def bench(name: str, args) -> dict:
@@ -56,14 +59,17 @@ def bench(name: str, args) -> dict:
                  "measured_s": r["step_s"], "chosen": c is picked})
   rows.sort(key=lambda r: r["measured_s"])
   rank = next(i for i, r in enumerate(rows) if r["chosen"]) + 1
+  share, ties, pairs = concordance(rows)
   print(f"\n{name}: {batch} × {seq}, {precision}; {len(rows)} candidates fit, "
         f"the default search (top {args.top}) picks rank {rank} by measured step time; "
-        f"predicted order matches measured for {concordance(rows):.0%} of pairs")
+        f"the measurement orders {share:.0%} of the pairs the prediction orders alike "
+        f"({ties} of {pairs} pairs predicted equal)")
   print(f"  {'strategy':8s} {'mesh':26s} {'predicted':>10s} {'measured':>10s}")
   for r in rows:
     print(f"  {r['strategy']:8s} {r['mesh']:26s} {auto.seconds_text(r['predicted_s']):>10s} "
           f"{r['measured_s'] * 1e3:8.1f} ms" + ("  <- chosen" if r["chosen"] else ""))
-  return {"model": name, "rank": rank, "concordance": concordance(rows), "rows": rows}
+  return {"model": name, "rank": rank, "concordance": share, "tied_pairs": ties,
+          "pairs": pairs, "rows": rows}
 
 
 def main():
