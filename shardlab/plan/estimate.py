@@ -166,7 +166,6 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
   be = plan_comm.BACKENDS[backend or acc.kind]
   grad_dtype = precision_lib.gradient_dtype(policy, train.grad_dtype)
   state = plan_memory.model_state(abstract, sh, policy, train.microbatches, grad_dtype)
-  batch_shards = math.prod(mesh.shape[a] for a in rules.batch_axes if a in mesh.shape)
   gathered, head_gathered = _gathered_bytes(abstract, rules, mesh, p)
   acts, batch_bytes, shapes = plan_memory.activation_memory(model, train, p, rules.activations,
                                                             mesh, head_gathered, be.name)
@@ -179,8 +178,8 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
                                               train.remat, train.microbatches))
   tensor_shards = math.prod(mesh.shape[a] for a in rules_lib._axes(
       rules.activations.get("heads")) if a in mesh.shape)
-  tokens_per_device = (req.global_batch * req.seq_len / batch_shards / shapes.context /
-                       tensor_shards)
+  token_shards = math.prod(mesh.shape[a] for a in rules.token_axes if a in mesh.shape)
+  tokens_per_device = req.global_batch * req.seq_len / token_shards / tensor_shards
   flops = plan_comm.hardware_flops_per_token(model, req.seq_len, req.remat) * tokens_per_device
   model_flops = model.flops_per_token(req.seq_len) * tokens_per_device
   compute_s = flops / (acc.peak_flops * acc.efficiency)  # no step runs at peak

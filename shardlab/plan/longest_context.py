@@ -37,17 +37,21 @@ def layouts(model, acc, n: int, c: int):
     yield ("fsdp" if t == 1 else "fsdp_tp_sp"), split_ici_dcn(shape, acc.ici_domain)
 
 
-def fastest_fitting(req: Request, model, acc, n: int, c: int, seq_len: int) -> Estimate | None:
-  r = dataclasses.replace(req, seq_len=seq_len)
-  found = []
+def _estimates(req: Request, model, acc, n: int, c: int, seq_len: int) -> list[Estimate]:
+  """The layouts' estimates at seq_len, fitting or not (a layout the batch or a dimension
+  does not divide is left out)."""
+  r, out = dataclasses.replace(req, seq_len=seq_len), []
   for strategy, spec in layouts(model, acc, n, c):
     try:
-      e = estimate(r, model, acc, spec, strategy)
-    except ConfigError:  # the batch or a dimension does not divide this layout
+      out.append(estimate(r, model, acc, spec, strategy))
+    except ConfigError:
       continue
-    if e.fits:
-      found.append(e)
-  return min(found, key=lambda e: e.step_s, default=None)
+  return out
+
+
+def fastest_fitting(req: Request, model, acc, n: int, c: int, seq_len: int) -> Estimate | None:
+  return min((e for e in _estimates(req, model, acc, n, c, seq_len) if e.fits),
+             key=lambda e: e.step_s, default=None)
 
 
 def longest(req: Request, model, acc, n: int, cap: int = MAX_SEQ_LEN) -> list[Row]:
@@ -55,30 +59,28 @@ def longest(req: Request, model, acc, n: int, cap: int = MAX_SEQ_LEN) -> list[Ro
   rows, c = [], 1
   while c <= n:
     if n % c == 0:
-      unit = max(GRANULE, 2 * c)
-      fits = lambda s: fastest_fitting(req, model, acc, n, c, s)
-      lo, hi = 0, unit
-      while hi <= cap and fits(hi) is not None:
-        lo, hi = hi, hi * 2
-      while hi - lo > unit:
-        mid = (lo + hi) // 2 // unit * unit
-        lo, hi = (mid, hi) if fits(mid) is not None else (lo, mid)
-      rows.append(Row(c, lo, fits(lo)) if lo else Row(c, 0, None, _why_not(req, model, acc,
-                                                                           n, c, unit)))
+      rows.append(_row(req, model, acc, n, c, cap))
     c *= 2
   return rows
 
 
-def _why_not(req: Request, model, acc, n: int, c: int, seq_len: int) -> str:
-  r = dataclasses.replace(req, seq_len=seq_len)
-  for strategy, spec in layouts(model, acc, n, c):
-    try:
-      estimate(r, model, acc, spec, strategy)
-      return f"nothing fits at {seq_len} tokens"
-    except ConfigError:
-      continue
-  return (f"global batch {req.global_batch} does not split over the {n // c} devices beside "
-          f"the context axis (fsdp, or fsdp × tensor)")
+def _row(req: Request, model, acc, n: int, c: int, cap: int) -> Row:
+  unit = max(GRANULE, 2 * c)
+  best, lo, hi = None, 0, unit
+  while hi <= cap and (e := fastest_fitting(req, model, acc, n, c, hi)) is not None:
+    best, lo, hi = e, hi, hi * 2
+  while hi - lo > unit:
+    mid = (lo + hi) // 2 // unit * unit
+    if (e := fastest_fitting(req, model, acc, n, c, mid)) is not None:
+      best, lo = e, mid
+    else:
+      hi = mid
+  if best is not None:
+    return Row(c, lo, best)
+  why = (f"nothing fits at {unit} tokens" if _estimates(req, model, acc, n, c, unit) else
+         f"global batch {req.global_batch} does not split over the {n // c} devices beside "
+         f"the context axis (fsdp, or fsdp × tensor)")
+  return Row(c, 0, None, why)
 
 
 def render(rows: list[Row], model, acc, n: int, batch: int) -> list[str]:
