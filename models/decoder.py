@@ -7,6 +7,7 @@ per kv head, E head_dim, N layers, S cache length.
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from flax import nnx, struct
 
 from shardlab.models import attention, context, dot
@@ -24,11 +25,19 @@ ACTIVATIONS = {
     "kv_cache": ("layers", "batch", "length", "kv_heads", "head_dim"),
 }
 
+LAYER_INPUT = "layer_input"  # the checkpoint_name of a block's input (remat "offload")
+
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     # Keep weight-matmul outputs, recompute the rest (norms, activations, attention).
     "save-matmul-outputs": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # Recompute like "full", but keep each layer's input in host memory instead of on the
+    # device: the layers × B×L×D stack that full remat holds is what dominates at large
+    # batches (MaxText's offloaded decoder_layer_input).
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT],
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 
@@ -144,6 +153,9 @@ class Block(nnx.Module):
     self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
 
   def __call__(self, x_BxLxD, *attn_inputs):
+    # Every use reads the named copy, so under remat "offload" the input itself is no
+    # residual: only its host copy is.
+    x_BxLxD = checkpoint_name(x_BxLxD, LAYER_INPUT)
     y, cache_kv = self.attn(self.attn_norm(x_BxLxD), *attn_inputs)
     x = x_BxLxD + y
     x = x + self.mlp(self.mlp_norm(x))

@@ -32,6 +32,9 @@ class TrainConfig:
   precision: str = "auto"
   grad_dtype: str = "auto"  # "auto" (the stored params'), "fp32", or "bf16" under bf16
   remat: str = "none"
+  # "opt_state": the stored (master) weights and the optimizer state live in host memory
+  # and stream to the device for the update.
+  offload: str = "none"
   seed: int = 0
   log_every: int = 10
   eval_batches: int = 8
@@ -65,7 +68,8 @@ class TrainConfig:
     choices = {"optimizer": ("adamw", "adafactor", "sgd"),
                "precision": ("auto", "fp32", "bf16", "bf16-params"),
                "grad_dtype": ("auto", "fp32", "bf16"),
-               "remat": ("none", "full", "save-matmul-outputs"),
+               "remat": ("none", "full", "save-matmul-outputs", "offload"),
+               "offload": ("none", "opt_state"),
                "nonfinite": ("stop", "skip")}
     for f, valid in choices.items():
       if getattr(self, f) not in valid:
@@ -109,6 +113,32 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """Low-rank adapters (Hu et al. 2021): each targeted projection W becomes
+  W + (alpha / rank)·A·B with A random and B zero, and only A and B train."""
+  rank: int = 0  # 0: no adapters, every param trains
+  alpha: float = 16.0
+  targets: str = "q,k,v,o,gate,up,down"  # the model's projection names, comma-separated
+
+  def __post_init__(self):
+    if self.rank < 0:
+      raise ConfigError(f"lora.rank must be >= 0 (0: off), got {self.rank}")
+    if not self.alpha > 0:
+      raise ConfigError(f"lora.alpha must be > 0, got {self.alpha}")
+    if self.rank and not self.target_names:
+      raise ConfigError(f"lora.targets is empty ({self.targets!r}); name the projections to "
+                        f"adapt, e.g. q,k,v,o,gate,up,down")
+
+  @property
+  def target_names(self) -> tuple[str, ...]:
+    return tuple(t.strip() for t in self.targets.split(",") if t.strip())
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   model: Any  # a bundled architecture's config (shardlab.models.registry) or your own
   mesh: str = "cpu-8"
@@ -116,6 +146,7 @@ class Config:
   train: TrainConfig = TrainConfig()
   data: DataConfig = DataConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
+  lora: LoraConfig = LoraConfig()
   # Single-rule overrides on top of the strategy's tables: {"params": {"mlp": "tensor"}, ...}
   rules: dict = dataclasses.field(default_factory=dict)
   metrics_file: str | None = None
@@ -134,7 +165,7 @@ def to_dict(cfg) -> dict:
 RESUME_FIELDS = ("model", "train.optimizer", "train.b1", "train.b2", "train.eps",
                  "train.weight_decay", "train.decay_norms_and_embeddings", "train.clip_norm",
                  "train.precision", "train.grad_dtype", "train.global_batch", "train.seq_len",
-                 "train.microbatches", "train.seed", "data")
+                 "train.microbatches", "train.seed", "data", "lora")
 # A label (the same model from another TOML file is fine), and an implementation choice.
 RESUME_IGNORED = ("model.name", "model.attention", "model.kv_exchange")
 

@@ -61,13 +61,27 @@ def model_factory(cfg: Config):
     raise ConfigError(f"train.remat {cfg.train.remat!r} is not offered by model "
                       f"{cfg.model.name}; valid: {', '.join(cfg.model.remat_policies)}")
   param_dtype = precision.resolve(cfg.train.precision).param_dtype
-  return lambda: cfg.model.make(nnx.Rngs(cfg.train.seed), param_dtype, cfg.train.remat)
+  if not cfg.lora.rank:
+    return lambda: cfg.model.make(nnx.Rngs(cfg.train.seed), param_dtype, cfg.train.remat)
+  offered = getattr(cfg.model, "lora_targets", ())
+  wrong = [t for t in cfg.lora.target_names if t not in offered]
+  if wrong:
+    raise ConfigError(f"lora.targets {', '.join(wrong)} not offered by model "
+                      f"{cfg.model.name}; valid: {', '.join(offered) or 'none (no LoRA)'}")
+  return lambda: cfg.model.make(nnx.Rngs(cfg.train.seed), param_dtype, cfg.train.remat,
+                                lora=cfg.lora)
+
+
+def lora_frozen(path: tuple[str, ...]) -> bool:
+  """Under LoRA every param but the adapters (under a `lora_` attribute) is held fixed."""
+  return not any(key.startswith("lora_") for key in path)
 
 
 def abstract_state(cfg: Config) -> state_lib.Abstract:
   return state_lib.abstract_state(model_factory(cfg),
                                   optim.make(cfg.train, cfg.model.no_weight_decay),
-                                  precision.resolve(cfg.train.precision))
+                                  precision.resolve(cfg.train.precision),
+                                  frozen=lora_frozen if cfg.lora.rank else None)
 
 
 def shardings(cfg: Config, abstract: state_lib.Abstract, mesh) -> state_lib.Shardings:

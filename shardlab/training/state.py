@@ -40,6 +40,29 @@ class Abstract:
   optimizer: optax.GradientTransformation
   policy: precision.Policy
   model_factory: ModelFactory = dataclasses.field(compare=False)
+  # params-shaped bools: True where a param is held fixed (no gradient, no optimizer state,
+  # stored in the compute dtype); None when every param trains.
+  frozen: Any = None
+
+  def trainable(self, tree):
+    """A params-shaped tree with the frozen leaves removed (None): what the optimizer sees."""
+    return _select(tree, self.frozen, keep=False)
+
+  def fixed(self, tree):
+    """A params-shaped tree with only the frozen leaves (the rest None)."""
+    return _select(tree, self.frozen, keep=True)
+
+
+def _select(tree, frozen, keep: bool):
+  if frozen is None:
+    return tree if not keep else jax.tree.map(lambda _: None, tree)
+  return jax.tree.map(lambda leaf, f: leaf if f == keep else None, tree, frozen)
+
+
+def merge(trainable, fixed):
+  """The params tree from its trainable and frozen parts (each None where the other is)."""
+  return jax.tree.map(lambda t, f: f if t is None else t, trainable, fixed,
+                      is_leaf=lambda x: x is None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,29 +94,47 @@ def _logical_names(variable: nnx.Variable) -> tuple:
   return tuple(names) if names is not None else (None,) * np.ndim(variable.get_value())
 
 
-def _storage_dtype(dtype, policy: precision.Policy):
-  return policy.param_dtype if jnp.issubdtype(dtype, jnp.floating) else dtype
+def _storage_dtype(dtype, policy: precision.Policy, frozen: bool = False):
+  if not jnp.issubdtype(dtype, jnp.floating):
+    return dtype
+  # A frozen param is never updated, so it needs no higher-precision master copy.
+  return policy.compute_dtype if frozen else policy.param_dtype
 
 
-def _store(params, policy: precision.Policy):
-  """Floating params in the policy's storage dtype (master weights)."""
-  return jax.tree.map(lambda p: p.astype(_storage_dtype(p.dtype, policy)), params)
+def _store(params, policy: precision.Policy, frozen=None):
+  """Floating params in the policy's storage dtype (master weights; frozen ones in the
+  compute dtype)."""
+  frozen = jax.tree.map(lambda _: False, params) if frozen is None else frozen
+  return jax.tree.map(lambda p, f: p.astype(_storage_dtype(p.dtype, policy, f)), params, frozen)
+
+
+FrozenFn = Callable[[tuple[str, ...]], bool]
 
 
 def abstract_state(model_factory: ModelFactory, optimizer: optax.GradientTransformation,
-                   policy: precision.Policy | str = "fp32") -> Abstract:
-  """Everything the run will hold, as shapes: `model_factory()` builds the module."""
+                   policy: precision.Policy | str = "fp32",
+                   frozen: FrozenFn | None = None) -> Abstract:
+  """Everything the run will hold, as shapes: `model_factory()` builds the module.
+  `frozen(path)` (the param's dict keys) marks params held fixed, as a LoRA base is: they
+  get no gradient and no optimizer state, and are stored in the compute dtype."""
   policy = precision.resolve(policy) if isinstance(policy, str) else policy
   with nnx.use_eager_sharding(False):  # logical names are not mesh axes
     graphdef, variables = _split_params(nnx.eval_shape(model_factory))
   is_var = lambda x: isinstance(x, nnx.Variable)
   names = nnx.to_pure_dict(jax.tree.map(_logical_names, variables, is_leaf=is_var))
-  params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, _storage_dtype(a.dtype, policy)),
-                        nnx.to_pure_dict(variables))
-  opt_state = jax.eval_shape(optimizer.init, params)
-  step = jax.ShapeDtypeStruct((), jnp.int32)
-  return Abstract(graphdef, TrainState(step, params, opt_state), names, optimizer, policy,
-                  model_factory)
+  shapes = nnx.to_pure_dict(variables)
+  mask = jax.tree_util.tree_map_with_path(
+      lambda p, _: frozen is not None and bool(frozen(path_of(p))), shapes)
+  if all(jax.tree.leaves(mask)):
+    raise ConfigError("every parameter is frozen: nothing would train")
+  params = jax.tree.map(
+      lambda a, f: jax.ShapeDtypeStruct(a.shape, _storage_dtype(a.dtype, policy, f)),
+      shapes, mask)
+  abstract = Abstract(graphdef, TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, None),
+                      names, optimizer, policy, model_factory,
+                      mask if any(jax.tree.leaves(mask)) else None)
+  opt_state = jax.eval_shape(optimizer.init, abstract.trainable(params))
+  return dataclasses.replace(abstract, state=abstract.state.replace(opt_state=opt_state))
 
 
 def model(abstract: Abstract, params) -> nnx.Module:
@@ -176,7 +217,8 @@ def init_state(abstract: Abstract, shardings_: Shardings) -> TrainState:
   def init():
     with nnx.use_eager_sharding(False):
       params = _store(nnx.to_pure_dict(_split_params(abstract.model_factory())[1]),
-                      abstract.policy)
-    return TrainState(jnp.zeros((), jnp.int32), params, abstract.optimizer.init(params))
+                      abstract.policy, abstract.frozen)
+    return TrainState(jnp.zeros((), jnp.int32), params,
+                      abstract.optimizer.init(abstract.trainable(params)))
 
   return jax.jit(init, out_shardings=shardings_.state)()

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from shardlab.errors import ConfigError, unknown
 from shardlab.sharding.activations import activation_rules
 from shardlab.training import precision
+from shardlab.training import state as state_lib
 from shardlab.training.state import Abstract, Shardings, TrainState
 
 LossFn = Callable[[nnx.Module, Any], Any]
@@ -66,16 +67,17 @@ def model_loss(loss_fn: LossFn, abstract: Abstract):
   return lambda params, batch: loss(precision.cast_for_compute(params, abstract.policy), batch)
 
 
-def _grads(grad_fn, working, batch, microbatches: int, shardings: Shardings, grad_dtype):
-  """((loss, aux), gradients w.r.t. the working copy in `grad_dtype`, reduced to
-  `shardings.grads`). Microbatches' gradients are reduced as they come and summed in fp32."""
+def _grads(grad_fn, working, batch, microbatches: int, grad_dtype, grad_shardings,
+           batch_sharding):
+  """((loss, aux), gradients w.r.t. `working` in `grad_dtype`, reduced to
+  `grad_shardings`). Microbatches' gradients are reduced as they come and summed in fp32."""
 
   def reduced(grads):
     grads = jax.tree.map(lambda g: g.astype(grad_dtype), grads)
     # An all-reduce, or a reduce-scatter (zero2, fsdp) where the grads' sharding splits what
     # the working copy held whole (TPU and GPU compile one; XLA:CPU lowers every
     # reduce-scatter to all-reduce + slice).
-    return jax.lax.with_sharding_constraint(grads, shardings.grads)
+    return jax.lax.with_sharding_constraint(grads, grad_shardings)
 
   if microbatches == 1:
     out, grads = grad_fn(working, batch)
@@ -87,7 +89,7 @@ def _grads(grad_fn, working, batch, microbatches: int, shardings: Shardings, gra
                         *leaf.shape[1:]).swapaxes(0, 1)
 
   def accumulate(carry, mb):
-    out, grads = grad_fn(working, jax.lax.with_sharding_constraint(mb, shardings.batch))
+    out, grads = grad_fn(working, jax.lax.with_sharding_constraint(mb, batch_sharding))
     return jax.tree.map(lambda c, g: c + g.astype(jnp.float32), carry,
                         (out, reduced(grads))), None
 
@@ -122,15 +124,25 @@ def make_train_step(loss_fn: LossFn, abstract: Abstract, shardings: Shardings, *
     raise unknown("train.nonfinite", nonfinite, NONFINITE_POLICIES)
   dtype = precision.gradient_dtype(abstract.policy, grad_dtype)
 
-  grad_fn = jax.value_and_grad(working_loss(loss_fn, abstract), has_aux=True)
+  loss = working_loss(loss_fn, abstract)
+  # Gradients only for the trainable params: a frozen one (a LoRA base) gets no weight-
+  # gradient matmul at all, since nothing reads it.
+  grad_fn = jax.value_and_grad(lambda trained, fixed, batch: loss(state_lib.merge(trained,
+                                                                                    fixed),
+                                                                   batch), has_aux=True)
 
   def train_step(state: TrainState, batch):
     with activation_rules(shardings.mesh, shardings.rules):
       working = working_copy(state.params, abstract, shardings)
-      (value, aux), grads = _grads(grad_fn, working, batch, microbatches, shardings, dtype)
-      grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-      updates, opt_state = abstract.optimizer.update(grads, state.opt_state, state.params)
-      params = optax.apply_updates(state.params, updates)
+      fixed = abstract.fixed(working)
+      (value, aux), grads = _grads(lambda w, b: grad_fn(w, fixed, b),
+                                   abstract.trainable(working), batch, microbatches, dtype,
+                                   abstract.trainable(shardings.grads), shardings.batch)
+      trained = abstract.trainable(state.params)
+      grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trained)
+      updates, opt_state = abstract.optimizer.update(grads, state.opt_state, trained)
+      params = state_lib.merge(optax.apply_updates(trained, updates),
+                               abstract.fixed(state.params))
     grad_norm = optax.tree.norm(grads)
     # Two scalar tests on values already reduced: no extra pass over the params.
     finite = jnp.isfinite(value) & jnp.isfinite(grad_norm)
