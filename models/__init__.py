@@ -5,8 +5,11 @@ gives the CLI, planner, inspector and generator what they ask of it, through its
 dataclass (one per architecture, chosen by the preset's `arch` field):
 
   name, vocab_size, max_seq_len, arch      fields
-  make(rngs, param_dtype, remat)           -> the nnx.Module (with hidden(), output_head(),
-                                              extend(tokens, cache) for generation)
+  make(rngs, param_dtype, remat[, lora])   -> the nnx.Module (with hidden(), output_head(),
+                                              extend(tokens, cache) for generation); `lora`
+                                              (a LoraConfig) adds adapters (models/lora.py)
+  lora_targets, lora_weights               the projections LoRA may adapt, and the weight
+                                              each adapts (for --merge-lora); () if none
   init_cache(batch, length, dtype)         -> its KV cache
   activations                              logical names of the activations it constrains
   no_weight_decay                          param names exempt from weight decay

@@ -36,6 +36,7 @@ class GPT2Config:
   saved_activations = {"d": (6, 2), "q": (0, 2), "kv": (0, 2), "scores": (0, 1),
                        "mlp": (0, 6)}
   saved_matmul_outputs = {"d": 1, "q": 1, "kv": 2, "mlp": 1}
+  lora_targets = ()  # no LoRA adapters (lora.rank > 0 is refused, naming none as valid)
 
   def __post_init__(self):
     for f in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):

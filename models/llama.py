@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardlab.models import context, dot
+from shardlab.models import context, lora
 from shardlab.models.decoder import ACTIVATIONS, Block, KVCache, attend, causal_mask, embed
 from shardlab.models.decoder import logits
 from shardlab.models.decoder import scan_blocks, stacked_param as _param
@@ -79,38 +79,66 @@ def apply_rope(x_BxLxHxE, cos_BxLxE, sin_BxLxE):
 
 class Attention(nnx.Module):
 
-  def __init__(self, cfg, dtype, rngs: nnx.Rngs, stack=()):
+  def __init__(self, cfg, dtype, rngs: nnx.Rngs, stack=(), lora_cfg=None, lora_rngs=None):
     d, h, k, e = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     self.q_DxHxE = _param(rngs, (d, h, e), ("embed", "heads", "head_dim"), d, dtype, stack)
     self.k_DxKxE = _param(rngs, (d, k, e), ("embed", "kv_heads", "head_dim"), d, dtype, stack)
     self.v_DxKxE = _param(rngs, (d, k, e), ("embed", "kv_heads", "head_dim"), d, dtype, stack)
     self.o_HxExD = _param(rngs, (h, e, d), ("heads", "head_dim", "embed"), h * e, dtype, stack)
     self.impl, self.exchange = cfg.attention, cfg.kv_exchange
+    if lora_cfg is not None:
+      self.lora_q, self.lora_k, self.lora_v, self.lora_o = (
+          _adapter(lora_cfg, t, getattr(self, w), dtype, lora_rngs, stack)
+          for t, w in (("q", "q_DxHxE"), ("k", "k_DxKxE"), ("v", "v_DxKxE"), ("o", "o_HxExD")))
 
   def __call__(self, x_BxLxD, cos, sin, mask_LxM, index, doc=None, cache_kv=None):
     """Attention output (and, with `cache_kv`, this layer's updated key/value buffers).
     `doc`: (positions, segment ids) for document masks and context parallelism."""
-    q = dot.einsum("bld,dhe->blhe", x_BxLxD, self.q_DxHxE[...])
-    k = dot.einsum("bld,dke->blke", x_BxLxD, self.k_DxKxE[...])
-    v = dot.einsum("bld,dke->blke", x_BxLxD, self.v_DxKxE[...])
+    q = _project(self, "q", x_BxLxD, self.q_DxHxE)
+    k = _project(self, "k", x_BxLxD, self.k_DxKxE)
+    v = _project(self, "v", x_BxLxD, self.v_DxKxE)
     out, cache_kv = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, mask_LxM,
                            cache_kv, index, self.impl, doc, self.exchange)
-    return dot.einsum("blhe,hed->bld", out, self.o_HxExD[...]), cache_kv
+    return _project(self, "o", out, self.o_HxExD), cache_kv
 
 
 class MLP(nnx.Module):
 
-  def __init__(self, cfg, dtype, rngs: nnx.Rngs, stack=()):
+  def __init__(self, cfg, dtype, rngs: nnx.Rngs, stack=(), lora_cfg=None, lora_rngs=None):
     d, f = cfg.d_model, cfg.mlp_dim
     self.gate_DxF = _param(rngs, (d, f), ("embed", "mlp"), d, dtype, stack)
     self.up_DxF = _param(rngs, (d, f), ("embed", "mlp"), d, dtype, stack)
     self.down_FxD = _param(rngs, (f, d), ("mlp", "embed"), f, dtype, stack)
+    if lora_cfg is not None:
+      self.lora_gate, self.lora_up, self.lora_down = (
+          _adapter(lora_cfg, t, getattr(self, w), dtype, lora_rngs, stack)
+          for t, w in (("gate", "gate_DxF"), ("up", "up_DxF"), ("down", "down_FxD")))
 
   def __call__(self, x_BxLxD):
-    gate = dot.einsum("bld,df->blf", x_BxLxD, self.gate_DxF[...])
-    up = dot.einsum("bld,df->blf", x_BxLxD, self.up_DxF[...])
+    gate = _project(self, "gate", x_BxLxD, self.gate_DxF)
+    up = _project(self, "up", x_BxLxD, self.up_DxF)
     h_BxLxF = constrain(swiglu(gate, up), ACTIVATIONS["mlp_hidden"])
-    return dot.einsum("blf,fd->bld", h_BxLxF, self.down_FxD[...])
+    return _project(self, "down", h_BxLxF, self.down_FxD)
+
+
+# LoRA (models/lora.py): each target's projection einsum and the weight it adapts.
+LORA_SPECS = {"q": "bld,dhe->blhe", "k": "bld,dke->blke", "v": "bld,dke->blke",
+              "o": "blhe,hed->bld", "gate": "bld,df->blf", "up": "bld,df->blf",
+              "down": "blf,fd->bld"}
+LORA_WEIGHTS = {"q": "q_DxHxE", "k": "k_DxKxE", "v": "v_DxKxE", "o": "o_HxExD",
+                "gate": "gate_DxF", "up": "up_DxF", "down": "down_FxD"}
+
+
+def _project(module: nnx.Module, target: str, x, weight: nnx.Param):
+  """The target's projection of x, with its adapter's update when it has one."""
+  return lora.project(LORA_SPECS[target], x, weight[...],
+                      getattr(module, lora.PREFIX + target, None))
+
+
+def _adapter(lora_cfg, target: str, weight: nnx.Param, dtype, rngs, stack):
+  names = weight.get_metadata()["out_sharding"][len(stack):]
+  return lora.maybe(lora_cfg, target, LORA_SPECS[target], weight.shape[len(stack):], names,
+                    dtype, rngs, stack)
 
 
 # silu(gate)·up with its gradient written out, so that only gate and up are kept for the
@@ -136,22 +164,26 @@ def _swiglu_backward(residuals, d_h):
 swiglu.defvjp(_swiglu_forward, _swiglu_backward)
 
 
-def block(cfg, dtype, rngs: nnx.Rngs, stack=()) -> Block:
-  return Block(RMSNorm(cfg, dtype, rngs, stack), Attention(cfg, dtype, rngs, stack),
-               RMSNorm(cfg, dtype, rngs, stack), MLP(cfg, dtype, rngs, stack))
+def block(cfg, dtype, rngs: nnx.Rngs, stack=(), lora_cfg=None) -> Block:
+  """One layer (stacked over `stack`); with `lora_cfg` (a LoraConfig) its targets get
+  adapters, drawn from their own stream so the base init is the same with or without."""
+  extra = {} if lora_cfg is None else {"lora_cfg": lora_cfg, "lora_rngs": lora.adapter_rngs(rngs)}
+  return Block(RMSNorm(cfg, dtype, rngs, stack), Attention(cfg, dtype, rngs, stack, **extra),
+               RMSNorm(cfg, dtype, rngs, stack), MLP(cfg, dtype, rngs, stack, **extra))
 
 
 class Llama(nnx.Module):
-  """Decoder-only Transformer. `param_dtype` is the storage dtype of the parameters."""
+  """Decoder-only Transformer. `param_dtype` is the storage dtype of the parameters;
+  `lora_cfg` (a LoraConfig with rank > 0) adds adapters to its targets (models/lora.py)."""
 
   def __init__(self, cfg, rngs: nnx.Rngs, param_dtype=jnp.float32,
-               remat: str = "none"):
+               remat: str = "none", lora_cfg=None):
     self.cfg = cfg
     self.remat = remat
     d, v = cfg.d_model, cfg.vocab_size
     # Tied: the table is also the output projection, so it is scaled like one (logits ~ 1).
     self.embed_VxD = _param(rngs, (v, d), ("vocab", "embed"), d, param_dtype)
-    self.blocks = block(cfg, param_dtype, rngs, stack=(cfg.n_layers,))
+    self.blocks = block(cfg, param_dtype, rngs, stack=(cfg.n_layers,), lora_cfg=lora_cfg)
     self.final_norm = RMSNorm(cfg, param_dtype, rngs)
     if not cfg.tie_embeddings:
       self.head_DxV = _param(rngs, (d, v), ("embed", "vocab"), d, param_dtype)

@@ -44,6 +44,9 @@ class LlamaConfig:
   saved_activations = {"d": (0, 4), "q": (0, 2), "kv": (0, 2), "scores": (0, 1),
                        "mlp": (0, 3)}
   saved_matmul_outputs = {"d": 1, "q": 1, "kv": 2, "mlp": 2}
+  # The projections LoRA can adapt (lora.targets), and the weight each one adapts.
+  lora_targets = tuple(llama.LORA_WEIGHTS)
+  lora_weights = llama.LORA_WEIGHTS
 
   def __post_init__(self):
     for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -63,8 +66,9 @@ class LlamaConfig:
     if self.arch != "llama":
       raise ConfigError(f"model.arch must be 'llama' for a LlamaConfig, got {self.arch!r}")
 
-  def make(self, rngs: nnx.Rngs, param_dtype, remat: str = "none") -> llama.Llama:
-    return llama.Llama(self, rngs, param_dtype, remat)
+  def make(self, rngs: nnx.Rngs, param_dtype, remat: str = "none", lora=None) -> llama.Llama:
+    """The module; `lora` (a LoraConfig with rank > 0) adds adapters to its targets."""
+    return llama.Llama(self, rngs, param_dtype, remat, lora if lora and lora.rank else None)
 
   def init_cache(self, batch: int, length: int, dtype) -> decoder.KVCache:
     return decoder.KVCache.zeros(self.n_layers, batch, length, self.n_kv_heads, self.head_dim,
@@ -84,6 +88,15 @@ class LlamaConfig:
     block = attn + 3 * d * f + 2 * d
     head = 0 if self.tie_embeddings else self.vocab_size * d
     return self.vocab_size * d + self.n_layers * block + d + head
+
+  def n_lora_params(self, lora) -> int:
+    """Adapter parameters for a LoraConfig: rank × (fan-in + fan-out) per target, per layer."""
+    d, h, kv, hd, f = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim, self.mlp_dim
+    sides = {"q": d + h * hd, "k": d + kv * hd, "v": d + kv * hd, "o": h * hd + d,
+             "gate": d + f, "up": d + f, "down": f + d}
+    if not lora.rank:
+      return 0
+    return self.n_layers * lora.rank * sum(sides[t] for t in lora.target_names)
 
   @property
   def n_layer_params(self) -> int:

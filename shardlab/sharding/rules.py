@@ -21,8 +21,9 @@ from shardlab.sharding.mesh import AXES as MESH_AXES
 # (`register_axes("patches")`) and map them with rule overrides.
 # `length` is the sequence where attention reads it (queries, keys, values, MLP, logits);
 # `residual_length` the residual stream's and the norms' (Megatron-SP splits only that one).
+# `lora_rank` is a LoRA adapter's rank dim (models/lora.py): small, replicated everywhere.
 BUILTIN_AXES = ("batch", "length", "residual_length", "embed", "heads", "kv_heads",
-                "head_dim", "mlp", "vocab", "layers")
+                "head_dim", "mlp", "vocab", "layers", "lora_rank")
 _registered: set[str] = set(BUILTIN_AXES)
 
 
