@@ -12,6 +12,7 @@ EPILOG = """examples:
   python train.py --model ./ckpt/tinyllama/model.toml --init-from ./ckpt/tinyllama
   python train.py --model ./ckpt/tinyllama/model.toml --init-from hf:./TinyLlama-1.1B
   shardlab convert to-hf ./runs/ft ./llama-ft --tokenizer-from ./TinyLlama-1.1B
+  shardlab convert to-hf ./runs/lora ./llama-lora --merge-lora
   shardlab convert hf-config ./TinyLlama-1.1B > tinyllama.toml"""
 
 
@@ -53,6 +54,9 @@ def convert_parser(prog: str = "shardlab convert") -> argparse.ArgumentParser:
                       "renamed into place, so nothing of the old one is left)")
   q.add_argument("--strict", action="store_true",
                  help="refuse a damaged newest step instead of exporting the newest intact one")
+  q.add_argument("--merge-lora", action="store_true",
+                 help="for a checkpoint trained with LoRA: merge the adapters into the base "
+                      "weights (W + alpha/rank·A·B) and export the merged model")
 
   q = sub.add_parser("hf-config", help="print the model TOML (for --model) of an HF config")
   q.add_argument("hf_dir")
@@ -80,7 +84,8 @@ def _run(args) -> None:
     raise ConfigError(f"--max-shard-gb must be > 0, got {args.max_shard_gb}")
   files, copied = hf_convert.export_checkpoint(
       args.ckpt_dir, args.hf_dir, args.mesh, args.strategy, args.dtype,
-      int(args.max_shard_gb * 2**30), args.overwrite, args.tokenizer_from, args.strict)
+      int(args.max_shard_gb * 2**30), args.overwrite, args.tokenizer_from, args.strict,
+      args.merge_lora)
   if args.tokenizer_from and not copied:
     print(f"warning: no tokenizer files in {args.tokenizer_from}", file=sys.stderr)
   print(f"wrote config.json and {len(files)} safetensors file(s) to {args.hf_dir}"

@@ -21,7 +21,7 @@ from shardlab import config as config_lib
 from shardlab.hf import weights as hf
 from shardlab.hf import config as hf_config
 from shardlab.sharding import mesh as mesh_lib
-from shardlab.models import registry
+from shardlab.models import lora, registry
 from shardlab.models.llama_config import LlamaConfig
 from shardlab.training import run as run_lib
 from shardlab.training import state as state_lib
@@ -82,12 +82,14 @@ def import_checkpoint(hf_dir: str | Path, out_dir: str | Path, mesh: str = DEFAU
 def export_checkpoint(ckpt_dir: str | Path, hf_dir: str | Path, mesh: str = DEFAULT_MESH,
                       strategy: str = DEFAULT_STRATEGY, dtype: str = "auto",
                       max_shard_bytes: int = 4 * 2**30, overwrite: bool = False,
-                      tokenizer_from: str | Path | None = None,
-                      strict: bool = False) -> tuple[list[Path], list[str]]:
+                      tokenizer_from: str | Path | None = None, strict: bool = False,
+                      merge_lora: bool = False) -> tuple[list[Path], list[str]]:
   """Writes the newest intact checkpoint in `ckpt_dir` (a damaged newer step is skipped with
   a warning, or refused if `strict`) as a Hugging Face Llama directory (with the tokenizer
   files of `tokenizer_from`, if given); returns (weight files, tokenizer files). A non-empty
-  `hf_dir` needs `overwrite`, and is then replaced whole (see _replace_dir)."""
+  `hf_dir` needs `overwrite`, and is then replaced whole (see _replace_dir). A LoRA run's
+  adapters are merged into the weights they adapt (W + scale·A·B, in fp32) only if
+  `merge_lora`; otherwise its export is refused."""
   if jax.process_count() > 1:  # each layer is fetched whole into this host's memory
     raise ConfigError(f"to-hf runs in a single process (this run has {jax.process_count()}); "
                       f"run it on one host, e.g. with --simulate-devices on a CPU machine")
@@ -100,8 +102,15 @@ def export_checkpoint(ckpt_dir: str | Path, hf_dir: str | Path, mesh: str = DEFA
       raise ConfigError(f"the config saved in {ckpt_dir}/{step} is not a shardlab run "
                         f"config ({e})") from None
     cfg = dataclasses.replace(cfg, mesh=mesh, strategy=strategy)
+    if cfg.lora.rank and not merge_lora:
+      raise ConfigError(f"the checkpoint in {ckpt_dir}/{step} was trained with LoRA adapters "
+                        f"(lora.rank {cfg.lora.rank}, targets {cfg.lora.targets}); pass "
+                        f"--merge-lora to export the base weights with the adapters merged in")
     abstract, sh = _placement(cfg)
-    return cfg, abstract, restore("params", abstract.state.params, sh.state.params)
+    params = restore("params", abstract.state.params, sh.state.params)
+    if cfg.lora.rank:
+      params = lora.merge_params(params, cfg.model.lora_weights, cfg.lora.scale)
+    return cfg, abstract, params
 
   (cfg, abstract, params), _ = checkpoint.restore_newest(ckpt_dir, read,
                                                          "--strict" if strict else None)

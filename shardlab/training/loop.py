@@ -17,7 +17,8 @@ from shardlab.runtime import distributed
 from shardlab.sharding import mesh as mesh_lib
 from shardlab.training import checkpoint
 from shardlab.training.preemption import StopRequest
-from shardlab.training.run import NonFiniteGuard, Run, init, last_good, resume_check, setup
+from shardlab.training.run import NonFiniteGuard, Run, completed, init, last_good
+from shardlab.training.run import resume_check, setup
 
 # (run) -> params, for `checkpoint.init_from` values with a prefix (the CLI adds "hf:").
 ParamSources = dict[str, Callable[[Run], object]]
@@ -84,7 +85,7 @@ def _start_state(run: Run, ckpt, progress: Progress, sources: ParamSources,
       strict = "checkpoint.strict" if run.cfg.checkpoint.strict else None
       params, step = checkpoint.restore_params(source, run.abstract, run.shardings, strict,
                                                progress.message)
-    state = state.replace(params=params)
+    state = state.replace(params=completed(params, state.params, run.abstract, source))
     progress.message(f"initialised params from {source} (step {step}); fresh optimizer state")
   return state, 0, 0
 

@@ -77,6 +77,29 @@ def lora_frozen(path: tuple[str, ...]) -> bool:
   return not any(key.startswith("lora_") for key in path)
 
 
+def completed(loaded: dict, initial: dict, abstract: state_lib.Abstract,
+              source: str = "the source") -> dict:
+  """`loaded` params with what the source holds none of taken from `initial`: a base model
+  (an HF import) for a LoRA run leaves the adapters at their init. A frozen param must be
+  in the source, or the run would fine-tune around random weights."""
+  frozen = abstract.frozen or jax.tree.map(lambda _: False, initial)
+
+  def walk(loaded, initial, frozen, path):
+    out = {}
+    for key, value in initial.items():
+      if key in loaded:
+        out[key] = (walk(loaded[key], value, frozen[key], path + (key,))
+                    if isinstance(value, dict) else loaded[key])
+      elif any(jax.tree.leaves(frozen[key])):
+        raise ConfigError(f"{source} holds no param {'.'.join(path + (key,))}, which this "
+                          f"run does not train; it must come from the source")
+      else:
+        out[key] = value
+    return out
+
+  return walk(loaded, initial, frozen, ())
+
+
 def abstract_state(cfg: Config) -> state_lib.Abstract:
   return state_lib.abstract_state(model_factory(cfg),
                                   optim.make(cfg.train, cfg.model.no_weight_decay),
