@@ -81,8 +81,9 @@ def completed(loaded: dict, initial: dict, abstract: state_lib.Abstract,
               source: str = "the source") -> dict:
   """`loaded` params with what the source holds none of taken from `initial`: a base model
   (an HF import) for a LoRA run leaves the adapters at their init. A frozen param must be
-  in the source, or the run would fine-tune around random weights."""
-  frozen = abstract.frozen or jax.tree.map(lambda _: False, initial)
+  in the source, or the run would fine-tune around random weights; so must every param of
+  a run that freezes none."""
+  frozen = abstract.frozen or jax.tree.map(lambda _: True, initial)
 
   def walk(loaded, initial, frozen, path):
     out = {}
@@ -91,8 +92,8 @@ def completed(loaded: dict, initial: dict, abstract: state_lib.Abstract,
         out[key] = (walk(loaded[key], value, frozen[key], path + (key,))
                     if isinstance(value, dict) else loaded[key])
       elif any(jax.tree.leaves(frozen[key])):
-        raise ConfigError(f"{source} holds no param {'.'.join(path + (key,))}, which this "
-                          f"run does not train; it must come from the source")
+        raise ConfigError(f"{source} holds no param {'.'.join(path + (key,))}; only "
+                          f"trained params a base model lacks (LoRA adapters) may be missing")
       else:
         out[key] = value
     return out
