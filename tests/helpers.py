@@ -69,7 +69,7 @@ class Run:
     self.mesh = mesh_lib.build(mesh_lib.parse_inline(cfg.mesh), devices=devices)
     self.rules = rules_lib.strategy(cfg.strategy)
     self.abstract = run_lib.abstract_state(cfg)
-    self.sh = state_lib.shardings(self.abstract, self.rules, self.mesh)
+    self.sh = run_lib.shardings(cfg, self.abstract, self.mesh, offload=True)
     self.replicated = NamedSharding(self.mesh, PartitionSpec())
 
   @functools.cached_property

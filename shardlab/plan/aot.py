@@ -46,6 +46,9 @@ class CompiledReport:
   temp_bytes: int
   collectives: dict  # kind -> {"count", "bytes", "ops"}
   flops: float = 0.0  # matmul FLOPs per device per step, loops unrolled (observe.hlo_flops)
+  # Host memory per device (train.offload, remat "offload"): its peak, as above; 0 where the
+  # backend reports none (XLA:CPU does not split host from device memory).
+  host_bytes: int = 0
 
   @property
   def total_bytes(self) -> int:
@@ -107,7 +110,7 @@ def compile_step(cfg: Config, devices, where: str) -> CompiledReport:
   rules = rules_lib.strategy(cfg.strategy, cfg.rules)
   mesh = mesh_lib.build(mesh_lib.load(cfg.mesh), devices)
   abstract = run_lib.abstract_state(cfg)
-  sh = state_lib.shardings(abstract, rules, mesh)
+  sh = state_lib.shardings(abstract, rules, mesh, cfg.train.offload)
   train_step = run_lib.make_steps(cfg, abstract, sh)[0]
   return compile_train_step(train_step, abstract, sh, run_lib.abstract_batch(cfg, sh), where)
 
@@ -133,7 +136,9 @@ def compile_train_step(train_step, abstract: state_lib.Abstract,
   return CompiledReport(where, shardings.mesh.size, seconds, mem.argument_size_in_bytes,
                         mem.output_size_in_bytes, mem.alias_size_in_bytes,
                         mem.temp_size_in_bytes, hlo.summary(hlo.collectives(text)),
-                        hlo_flops.dot_flops(text))
+                        hlo_flops.dot_flops(text),
+                        mem.host_argument_size_in_bytes + mem.host_output_size_in_bytes -
+                        mem.host_alias_size_in_bytes + mem.host_temp_size_in_bytes)
 
 
 def compile_on_cpu(cfg: Config, n_devices: int) -> CompiledReport:

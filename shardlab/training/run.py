@@ -108,8 +108,12 @@ def abstract_state(cfg: Config) -> state_lib.Abstract:
                                   frozen=lora_frozen if cfg.lora.rank else None)
 
 
-def shardings(cfg: Config, abstract: state_lib.Abstract, mesh) -> state_lib.Shardings:
-  return state_lib.shardings(abstract, rules_lib.strategy(cfg.strategy, cfg.rules), mesh)
+def shardings(cfg: Config, abstract: state_lib.Abstract, mesh,
+              offload: bool = False) -> state_lib.Shardings:
+  """The run's placements; with `offload`, train.offload's too (training keeps the state
+  where train.offload says; generation and export read the weights on the devices)."""
+  return state_lib.shardings(abstract, rules_lib.strategy(cfg.strategy, cfg.rules), mesh,
+                             cfg.train.offload if offload else "none")
 
 
 def loss_fn(cfg: Config):
@@ -151,7 +155,7 @@ def setup(cfg: Config, with_data: bool = True, devices=None) -> Run:
   mesh = mesh_lib.build(mesh_lib.load(cfg.mesh), devices=devices)
   corpus = data.load(cfg.data, cfg.train.seq_len) if with_data else None
   abstract = abstract_state(cfg)
-  shardings_ = shardings(cfg, abstract, mesh)
+  shardings_ = shardings(cfg, abstract, mesh, offload=True)
   train_step, eval_step = make_steps(cfg, abstract, shardings_)
   return Run(cfg, mesh, abstract, shardings_, train_step, eval_step, corpus)
 

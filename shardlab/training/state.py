@@ -17,7 +17,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardlab.errors import ConfigError
+from shardlab.errors import ConfigError, unknown
 from shardlab.sharding import rules as rules_lib
 from shardlab.training import precision
 
@@ -73,6 +73,18 @@ class Shardings:
   batch: NamedSharding  # leading (batch) dim over the batch axes; a prefix for any batch tree
   mesh: Mesh
   rules: rules_lib.Rules
+  # Where the step computes on the state: `state` itself, unless the stored weights and the
+  # optimizer state live in host memory (train.offload=opt_state), when it is their device
+  # placement.
+  on_device: TrainState
+
+  @property
+  def offloaded(self) -> bool:
+    return self.on_device is not self.state
+
+
+OFFLOAD = ("none", "opt_state")
+HOST = "pinned_host"  # page-locked host memory: DMA to and from the device without a copy
 
 
 def _split_params(model: nnx.Module):
@@ -169,7 +181,15 @@ def _derived_names(leaf_shape, param_shape, param_names, field: str | None):
   return (None,) * len(leaf_shape)
 
 
-def shardings(abstract: Abstract, rules: rules_lib.Rules, mesh: Mesh) -> Shardings:
+def shardings(abstract: Abstract, rules: rules_lib.Rules, mesh: Mesh,
+              offload: str = "none") -> Shardings:
+  """Every placement of a run. `offload` "opt_state" keeps the stored weights (the fp32
+  master under bf16) and the optimizer state in host memory between steps (ZeRO-Offload's
+  split, Ren et al. 2021): the step streams them in for the update, and they are sharded
+  over the host memory of the devices that would have held them."""
+  if offload not in OFFLOAD:
+    raise unknown("train.offload", offload, OFFLOAD)
+
   def named(names, shape, table, what):
     return NamedSharding(mesh, rules_lib.spec(names, shape, table, mesh, what))
 
@@ -201,7 +221,12 @@ def shardings(abstract: Abstract, rules: rules_lib.Rules, mesh: Mesh) -> Shardin
       opt_state=jax.tree_util.tree_map_with_path(opt_sharding, abstract.state.opt_state))
   working = state.params if rules.working is None else param_sharding(rules.working)
   batch = named(("batch",), (0,), rules.activations, "batch")
-  return Shardings(state, param_sharding(rules.grads), working, batch, mesh, rules)
+  stored = state
+  if offload == "opt_state":
+    stored = state.replace(**{k: jax.tree.map(lambda s: s.with_memory_kind(HOST),
+                                              getattr(state, k))
+                              for k in ("params", "opt_state")})
+  return Shardings(stored, param_sharding(rules.grads), working, batch, mesh, rules, state)
 
 
 def placed(abstract_tree, sharding_tree):

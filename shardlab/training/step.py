@@ -100,6 +100,11 @@ def _grads(grad_fn, working, batch, microbatches: int, grad_dtype, grad_sharding
   return jax.tree.map(lambda leaf: leaf / microbatches, out)
 
 
+def _on_device(tree, device_shardings):
+  """`tree` moved to its device placement (a no-op unless it is in host memory)."""
+  return jax.device_put(tree, device_shardings)
+
+
 def working_copy(params, abstract: Abstract, shardings: Shardings):
   """The params cast to the compute dtype and, for ZeRO-1/2, gathered whole (once per step,
   outside any microbatch loop): what forward and backward read."""
@@ -133,11 +138,18 @@ def make_train_step(loss_fn: LossFn, abstract: Abstract, shardings: Shardings, *
 
   def train_step(state: TrainState, batch):
     with activation_rules(shardings.mesh, shardings.rules):
-      working = working_copy(state.params, abstract, shardings)
+      working = working_copy(_on_device(state.params, shardings.on_device.params), abstract,
+                             shardings)
       fixed = abstract.fixed(working)
       (value, aux), grads = _grads(lambda w, b: grad_fn(w, fixed, b),
                                    abstract.trainable(working), batch, microbatches, dtype,
                                    abstract.trainable(shardings.grads), shardings.batch)
+      if shardings.offloaded:
+        # The stored weights and optimizer state come in from host memory only now, for the
+        # update (the barrier keeps XLA from fetching them before the gradients exist); the
+        # out_shardings send them back.
+        grads, state = jax.lax.optimization_barrier((grads, state))
+        state = jax.device_put(state, shardings.on_device)
       trained = abstract.trainable(state.params)
       grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trained)
       updates, opt_state = abstract.optimizer.update(grads, state.opt_state, trained)
@@ -186,6 +198,7 @@ def make_eval_step(loss_fn: LossFn, abstract: Abstract, shardings: Shardings):
   loss = model_loss(loss_fn, abstract)
 
   def eval_step(params, batch):
+    params = _on_device(params, shardings.on_device.params)
     with activation_rules(shardings.mesh, shardings.rules):
       return loss(params, batch)[0]
 
