@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardlab.models import context, lora
+from shardlab.models import context, lora, rope
 from shardlab.models.decoder import ACTIVATIONS, Block, KVCache, attend, causal_mask, embed
 from shardlab.models.decoder import logits
 from shardlab.models.decoder import scan_blocks, stacked_param as _param
@@ -61,9 +61,11 @@ def _rms_norm_backward(eps, residuals, d_y):
 rms_norm.defvjp(_rms_norm_forward, _rms_norm_backward)
 
 
-def rope_tables(positions_BxL, head_dim: int, theta: float):
-  """cos/sin of shape B×L×E in the rotate-half layout that Hugging Face Llama uses."""
-  inv_freq = theta ** -(jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+def rope_tables(positions_BxL, head_dim: int, theta: float, inv_freq=None):
+  """cos/sin of shape B×L×E in the rotate-half layout that Hugging Face Llama uses;
+  `inv_freq` (E/2, models/rope.py) replaces the plain frequencies of `theta`."""
+  if inv_freq is None:
+    inv_freq = theta ** -(jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
   angles = positions_BxL.astype(jnp.float32)[..., None] * inv_freq
   angles = jnp.concatenate([angles, angles], axis=-1)
   return jnp.cos(angles), jnp.sin(angles)
@@ -223,7 +225,9 @@ class Llama(nnx.Module):
           shape, tokens_BxL, positions_BxL, segments_BxL)
       doc = (positions_BxL, segments_BxL)
     x = embed(self.embed_VxD[...], tokens_BxL)
-    cos, sin = rope_tables(positions_BxL, self.cfg.head_dim, self.cfg.rope_theta)
+    scaled = getattr(self.cfg, "rope_scaling", "none") != "none"
+    cos, sin = rope_tables(positions_BxL, self.cfg.head_dim, self.cfg.rope_theta,
+                           rope.inverse_frequencies(self.cfg) if scaled else None)
     mask = None if doc else causal_mask(l, cache, start)
     x, cache_kv = scan_blocks(self.blocks, x, cache, self.remat, cos, sin, mask, start, doc)
     x = restore(self.final_norm(x))

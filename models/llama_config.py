@@ -9,7 +9,7 @@ import dataclasses
 from flax import nnx
 
 from shardlab.errors import ConfigError, unknown
-from shardlab.models import attention, context, decoder, llama
+from shardlab.models import attention, context, decoder, llama, rope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,12 +23,23 @@ class LlamaConfig:
   head_dim: int
   mlp_dim: int
   rope_theta: float = 10000.0
+  # RoPE scaling for a longer context (models/rope.py): "none" | "linear" | "llama3".
+  rope_scaling: str = "none"
+  rope_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0  # llama3 only
+  rope_high_freq_factor: float = 4.0  # llama3 only
+  rope_original_max_seq_len: int = 8192  # llama3 only: the pretraining context
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
   max_seq_len: int = 2048
   attention: str = "xla"  # "xla" | "flash" | "auto": models/attention.py
   kv_exchange: str = "all-gather"  # "all-gather" | "ring": context parallelism, models/context.py
   arch: str = "llama"
+  # The tokenizer's special ids a Hugging Face export writes (config.json and
+  # generation_config.json); eos may list several ids, comma-separated ("128001,128009").
+  bos_token_id: int = 1
+  eos_token_ids: str = "2"
+  pad_token_id: int = -1  # -1: none
 
   # What the core asks of a bundled model.
   activations = decoder.ACTIVATIONS
@@ -59,12 +70,22 @@ class LlamaConfig:
     if self.attention not in attention.IMPLEMENTATIONS:
       raise unknown("model.attention", self.attention, attention.IMPLEMENTATIONS)
     context.check_exchange(self.kv_exchange)
+    rope.check(self)
+    self.eos_ids  # parses
     if self.n_heads % self.n_kv_heads:
       raise ConfigError(
           f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads "
           f"({self.n_kv_heads}) for grouped-query attention")
     if self.arch != "llama":
       raise ConfigError(f"model.arch must be 'llama' for a LlamaConfig, got {self.arch!r}")
+
+  @property
+  def eos_ids(self) -> tuple[int, ...]:
+    try:
+      return tuple(int(t) for t in self.eos_token_ids.split(",") if t.strip())
+    except ValueError:
+      raise ConfigError(f"model.eos_token_ids must be comma-separated integers, got "
+                        f"{self.eos_token_ids!r}") from None
 
   def make(self, rngs: nnx.Rngs, param_dtype, remat: str = "none", lora=None) -> llama.Llama:
     """The module; `lora` (a LoraConfig with rank > 0) adds adapters to its targets."""

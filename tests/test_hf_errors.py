@@ -105,7 +105,7 @@ def test_missing_files(hf_dir, tmp_path):
     load(tmp_path / "empty")
   (hf_dir / "model.safetensors").rename(hf_dir / "pytorch_model.bin")
   with pytest.raises(ConfigError, match=r"has neither model.safetensors nor "
-                                        r"model.safetensors.index.json \(found: config.json, "
+                                        r"model.safetensors.index.json \(found: config.json, generation_config.json, "
                                         r"pytorch_model.bin\).*only .safetensors"):
     load(hf_dir)
 
@@ -128,9 +128,16 @@ def test_non_llama_architecture(hf_dir):
 
 @pytest.mark.parametrize("field", ["rope_scaling", "rope_parameters"])
 def test_unsupported_rope_scaling(hf_dir, field):
-  edit_config(hf_dir, **{field: {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}})
-  with pytest.raises(ConfigError, match=rf"unsupported {field} type 'llama3'; .*supports only "
-                                        r"plain RoPE"):
+  edit_config(hf_dir, **{field: {"rope_type": "yarn", "factor": 8.0, "rope_theta": 5e5}})
+  with pytest.raises(ConfigError, match=rf"unsupported {field} type 'yarn'; .*supports "
+                                        r"'default', 'linear', 'llama3'"):
+    load(hf_dir)
+
+
+def test_llama3_rope_scaling_missing_a_field(hf_dir):
+  edit_config(hf_dir, rope_scaling={"rope_type": "llama3", "factor": 8.0})
+  with pytest.raises(ConfigError, match=r"rope_scaling of type 'llama3' lacks "
+                                        r"'low_freq_factor'"):
     load(hf_dir)
 
 

@@ -215,7 +215,12 @@ def export_params(params, model: LlamaConfig, hf_dir: str | Path, dtype: str = "
     hf_files.write_index(out, weight_map, sum(nbytes.values()))
   config = hf_config.from_model(model, dtype)
   (out / hf_config.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+  (out / GENERATION_FILE).write_text(
+      json.dumps(hf_config.generation_config(model), indent=2) + "\n")
   return files
+
+
+GENERATION_FILE = "generation_config.json"
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
