@@ -10,8 +10,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from flax import nnx, struct
 
-from shardlab.models import attention, context, dot
-from shardlab.sharding.activations import constrain, platform
+from shardlab.models import attention, context, dot, pipeline
+from shardlab.sharding.activations import constrain, pipeline_schedule, platform
 from shardlab.sharding.params import param
 
 # The logical axes of every activation a decoder constrains: the one list that the model,
@@ -164,9 +164,21 @@ class Block(nnx.Module):
 
 def scan_blocks(blocks: nnx.Module, x_BxLxD, cache: KVCache | None, remat: str, *args):
   """Applies the stacked `blocks` layer by layer with lax.scan (compile time independent of
-  depth); each layer is called as block(x, *args, layer_kv) -> (x, layer_kv)."""
+  depth); each layer is called as block(x, *args, layer_kv) -> (x, layer_kv). When the rules
+  split `layers` over a mesh axis (`stage`), a training forward runs the pipeline schedule
+  (models/pipeline.py) instead; args leading with the batch are split into its microbatches."""
   graphdef, stacked = nnx.split(blocks)
   cache_kv = None if cache is None else (cache.k_NxBxSxKxE, cache.v_NxBxSxKxE)
+  where = pipeline.stages(jax.tree.leaves(stacked)[0].shape[0])
+  if cache is None and where is not None:  # the rules split `layers` over `stage`
+    def stage_layer(x, layer_state, layer_args):
+      return nnx.merge(graphdef, layer_state)(x, *layer_args, None)[0]
+
+    if remat != "none":
+      stage_layer = jax.checkpoint(stage_layer, policy=REMAT_POLICIES[remat],
+                                   prevent_cse=False)
+    return pipeline.run(stage_layer, stacked, x_BxLxD, args, where,
+                        *pipeline_schedule()), None
 
   def layer(x, inputs):
     layer_state, layer_kv = inputs

@@ -18,6 +18,7 @@ class TrainConfig:
   global_batch: int = 32
   seq_len: int = 128
   microbatches: int = 1
+  pipeline_repeats: int = 1  # layer groups per pipeline stage: 1 GPipe, > 1 circular
   loss_chunk: int = 0  # positions per logits chunk in the loss (0: whole sequence)
   optimizer: str = "adamw"
   lr: float = 3e-3
@@ -49,7 +50,7 @@ class TrainConfig:
     non_negative = (lambda v: v >= 0, ">= 0")
     fraction = (lambda v: 0 <= v < 1, "in [0, 1)")
     bounds = {**dict.fromkeys(("steps", "global_batch", "seq_len", "microbatches", "log_every",
-                               "eval_batches", "max_skipped"), at_least_1),
+                               "eval_batches", "max_skipped", "pipeline_repeats"), at_least_1),
               **dict.fromkeys(("lr", "clip_norm", "eps"), positive),
               **dict.fromkeys(("weight_decay", "warmup_steps"), non_negative),
               "b1": fraction, "b2": fraction,
@@ -150,8 +151,7 @@ class Config:
   # Single-rule overrides on top of the strategy's tables: {"params": {"mlp": "tensor"}, ...}
   rules: dict = dataclasses.field(default_factory=dict)
   metrics_file: str | None = None
-  # metrics.jsonl (unless metrics_file is set), TensorBoard events, plot.png and profile/
-  run_dir: str | None = None
+  run_dir: str | None = None  # metrics.jsonl (unless metrics_file), TensorBoard, plot, profile/
   profile_steps: str | None = None  # "A:B": a jax.profiler trace of steps A+1..B in run_dir
 
 

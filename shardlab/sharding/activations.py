@@ -15,15 +15,27 @@ from shardlab.sharding.rules import Rules, spec
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("shardlab_activation_rules",
                                                           default=None)
+# (microbatches, repeats) of a pipeline schedule (models/pipeline.py), when the rules split
+# `layers` over a mesh axis.
+_PIPELINE: contextvars.ContextVar = contextvars.ContextVar("shardlab_pipeline",
+                                                            default=(1, 1))
 
 
 @contextlib.contextmanager
-def activation_rules(mesh: Mesh, rules: Rules):
+def activation_rules(mesh: Mesh, rules: Rules, pipeline: tuple[int, int] = (1, 1)):
+  """Traces under `rules`; `pipeline` is (microbatches, repeats) for a pipelined layer scan."""
   token = _ACTIVE.set((mesh, rules.activations))
+  schedule = _PIPELINE.set(tuple(pipeline))
   try:
     yield
   finally:
+    _PIPELINE.reset(schedule)
     _ACTIVE.reset(token)
+
+
+def pipeline_schedule() -> tuple[int, int]:
+  """(microbatches, repeats) the active step gives a pipeline."""
+  return _PIPELINE.get()
 
 
 def constrain(x: jax.Array, names: tuple) -> jax.Array:
@@ -32,6 +44,9 @@ def constrain(x: jax.Array, names: tuple) -> jax.Array:
   if active is None:
     return x
   mesh, table = active
+  inside = jax.sharding.get_abstract_mesh()
+  if inside.manual_axes:  # inside shard_map (a pipeline stage): the mesh as it sees it
+    mesh = inside
   pspec = spec(names, x.shape, table, mesh, f"activation {names}")
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, pspec))
 

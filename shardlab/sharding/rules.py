@@ -47,6 +47,9 @@ TENSOR = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "te
 FSDP = {"embed": ("fsdp", "context")}
 ZERO = {"embed": ("data", "fsdp", "context")}  # over every axis that splits the tokens
 WHOLE: dict = {}  # every name replicated
+# Pipeline parallelism: every strategy places the stacked layers on the `stage` axis (each
+# stage stores and runs its own layers), a no-op on meshes without one, as `context` is.
+PIPELINE = "stage"
 
 # ZeRO (Rajbhandari et al. 2020) in these terms: the stored weights (the fp32 master under a
 # bf16 policy) and the optimizer state are sharded over the batch axes from stage 1 on; the
@@ -111,6 +114,8 @@ def strategy(name: str, overrides: dict | None = None) -> Rules:
   tables = {"params": dict(params), "opt_state": dict(opt), "activations": dict(acts)}
   if working is not None:
     tables["working"] = dict(working)
+  for table in tables.values():  # pipeline stages (models/pipeline.py), a no-op without one
+    table.setdefault("layers", PIPELINE)
   for table, rules in (overrides or {}).items():
     if table not in tables:
       raise unknown("rules table", table, tables)
@@ -127,6 +132,14 @@ def strategy(name: str, overrides: dict | None = None) -> Rules:
       tables[table][logical] = None if axes in (None, "", "none") else axes
   return Rules(name, tables["params"], tables["opt_state"], tables["activations"], scatter,
                tables.get("working"))
+
+
+def pipeline_stages(rules: Rules, mesh) -> int:
+  """Over how many devices the rules split the stacked layers' compute (1: no pipeline)."""
+  n = 1
+  for axis in _axes(rules.activations.get("layers")):
+    n *= mesh.shape.get(axis, 1)
+  return n
 
 
 def spec(names: tuple, shape: tuple, table: dict, mesh: Mesh, what: str) -> PartitionSpec:

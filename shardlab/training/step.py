@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardlab.errors import ConfigError, unknown
+from shardlab.sharding import rules as rules_lib
 from shardlab.sharding.activations import activation_rules
 from shardlab.training import precision
 from shardlab.training import state as state_lib
@@ -117,9 +118,19 @@ def working_copy(params, abstract: Abstract, shardings: Shardings):
 NONFINITE_POLICIES = ("stop", "skip")
 
 
+def pipeline_split(shardings: Shardings, microbatches: int, repeats: int = 1):
+  """(microbatches the step loops over, (microbatches, repeats) for the pipeline). When the
+  rules split `layers` over `stage`, the pipeline consumes train.microbatches itself: the
+  step hands it the whole batch (models/pipeline.py)."""
+  if rules_lib.pipeline_stages(shardings.rules, shardings.mesh) > 1:
+    return 1, (microbatches, repeats)
+  return microbatches, (1, 1)
+
+
 def make_train_step(loss_fn: LossFn, abstract: Abstract, shardings: Shardings, *,
                     microbatches: int = 1, lr_schedule: optax.Schedule | None = None,
-                    grad_dtype: str = "auto", nonfinite: str = "stop"):
+                    grad_dtype: str = "auto", nonfinite: str = "stop",
+                    pipeline_repeats: int = 1):
   """jit(state, batch) -> (state, metrics); `state` is donated. Metrics: loss, grad_norm,
   finite (both are finite), the loss's aux entries (averaged over microbatches) and, given a
   schedule, lr. `grad_dtype`: "auto", "fp32" or "bf16" (see precision.gradient_dtype).
@@ -136,13 +147,15 @@ def make_train_step(loss_fn: LossFn, abstract: Abstract, shardings: Shardings, *
                                                                                     fixed),
                                                                    batch), has_aux=True)
 
+  looped, schedule = pipeline_split(shardings, microbatches, pipeline_repeats)
+
   def train_step(state: TrainState, batch):
-    with activation_rules(shardings.mesh, shardings.rules):
+    with activation_rules(shardings.mesh, shardings.rules, schedule):
       working = working_copy(_on_device(state.params, shardings.on_device.params), abstract,
                              shardings)
       fixed = abstract.fixed(working)
       (value, aux), grads = _grads(lambda w, b: grad_fn(w, fixed, b),
-                                   abstract.trainable(working), batch, microbatches, dtype,
+                                   abstract.trainable(working), batch, looped, dtype,
                                    abstract.trainable(shardings.grads), shardings.batch)
       if shardings.offloaded:
         # The stored weights and optimizer state come in from host memory only now, for the

@@ -1,0 +1,182 @@
+"""Pipeline parallelism: the stacked layers split over the `stage` mesh axis, microbatches
+flowing through the stages (GPipe; circular when `repeats` > 1).
+
+The parameters keep their stored shape (N layers first, logical name `layers`); the rules
+place `layers` on `stage`, and the model's layer scan (decoder.scan_blocks) runs this schedule
+instead when that axis has more than one device. Nothing about the pipeline is stored, so a
+checkpoint restores onto any stage count.
+
+Schedule, with S stages, R repeats and M microbatches, for N = S·R·K layers. Layer group
+g = r·S + s (K consecutive layers) runs on stage s in repeat r: a reshape view (R, S, K) of
+the layer dim, stage-sharded on S. Microbatch m enters stage 0 at iteration r·M + m of repeat
+r and reaches stage s at r·M + m + s; each iteration every stage applies its group to what it
+holds, then passes the result one stage on (ppermute, S−1 wrapping to 0). Stage 0 keeps what
+comes back round in a buffer until that microbatch's next repeat (M ≥ S makes it wait ≥ 0
+iterations). T = R·M + S − 1 iterations, of which each stage idles S − 1: the bubble,
+(S − 1) / (R·M + S − 1). R = 1 is GPipe: autodiff of this forward scan runs all forwards,
+then all backwards (ppermute's transpose sends the other way), each stage keeping the inputs
+of its K layers for all M microbatches (less under remat).
+
+With R = 1 the group layout equals the stored one (stage s holds layers s·K …), so weights
+never move. With R > 1 (circular) the stored contiguous blocks are not the round-robin groups
+a stage runs: the step moves the layer weights into the (R, S, K) view and the gradients back,
+about (S − 1)/S of the layer bytes through the stage axis per step, the price of keeping the
+checkpoint independent of the layout.
+
+Embedding, final norm and head sit outside the pipeline, replicated over `stage` (sharded as
+the strategy says over the other axes): they are small beside the layers, and every stage
+then holds the input to feed stage 0 and the output the loss reads.
+
+Shape suffixes: M microbatches, b rows per microbatch, B = M·b, L length, D d_model, R
+repeats, S stages, K layers per group.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from shardlab.errors import ConfigError
+from shardlab.sharding import activations
+
+
+def stages(n_layers: int):
+  """(mesh, axis, S) when the active rules split `layers` over a mesh axis of S > 1
+  devices, else None."""
+  where = activations.current(("layers",), (n_layers,))
+  if where is None or not len(where[1]) or where[1][0] is None:
+    return None
+  mesh, spec = where
+  axis = spec[0]
+  if not isinstance(axis, str):
+    raise ConfigError(f"the rules split `layers` over {axis}; a pipeline runs over one mesh "
+                      f"axis (`stage`)")
+  return mesh, axis, mesh.shape[axis]
+
+
+def check(n_layers: int, n_stages: int, repeats: int, microbatches: int, batch: int):
+  """Clear errors for a schedule the model and batch cannot follow."""
+  if n_layers % (n_stages * repeats):
+    raise ConfigError(
+        f"model.n_layers ({n_layers}) must be divisible by the pipeline stages × "
+        f"train.pipeline_repeats ({n_stages} × {repeats} = {n_stages * repeats}); change the "
+        f"`stage` mesh axis or train.pipeline_repeats")
+  if batch % microbatches:
+    raise ConfigError(f"the batch ({batch} rows) must be divisible by train.microbatches "
+                      f"({microbatches}), the pipeline's microbatches")
+  if repeats > 1 and microbatches < n_stages:
+    raise ConfigError(
+        f"a circular pipeline (train.pipeline_repeats={repeats}) needs train.microbatches "
+        f">= the stages ({n_stages}), got {microbatches}")
+
+
+def bubble(n_stages: int, microbatches: int, repeats: int = 1) -> float:
+  """The fraction of a step each stage idles: (S − 1) / (R·M + S − 1)."""
+  return (n_stages - 1) / (repeats * microbatches + n_stages - 1)
+
+
+def _per_row(leaf, batch: int) -> bool:
+  """Per-row layer inputs (positions, rope tables, segment ids) lead with the batch; the
+  boolean causal mask (L×M) is shared by every row."""
+  return hasattr(leaf, "ndim") and leaf.ndim >= 1 and leaf.shape[0] == batch and (
+      leaf.dtype != jnp.bool_)
+
+
+def _split(leaf, m: int):
+  """B×… → M×b×…; microbatch j takes rows j, j+M, …, so each device keeps its own rows."""
+  return leaf.reshape(leaf.shape[0] // m, m, *leaf.shape[1:]).swapaxes(0, 1)
+
+
+def _merge(leaf):
+  return leaf.swapaxes(0, 1).reshape(-1, *leaf.shape[2:])
+
+
+def run(layer, stacked, x_BxLxD, args: tuple, where, microbatches: int, repeats: int):
+  """The pipelined equivalent of scanning `layer(x, layer_params, args) -> x` over the
+  stacked params, layer 0 first. `where` is what `stages` returned."""
+  mesh, axis, n_stages = where
+  n_layers = jax.tree.leaves(stacked)[0].shape[0]
+  batch = x_BxLxD.shape[0]
+  check(n_layers, n_stages, repeats, microbatches, batch)
+  per_group = n_layers // (n_stages * repeats)
+  groups = jax.tree.map(lambda p: p.reshape(repeats, n_stages, per_group, *p.shape[1:]),
+                        stacked)
+  args = jax.tree.map(jnp.asarray, args)  # a Python cache index of 0 becomes an array
+  rows = [_per_row(leaf, batch) for leaf in jax.tree.leaves(args)]
+  treedef = jax.tree.structure(args)
+  leaves = [_split(leaf, microbatches) if r else leaf
+            for leaf, r in zip(jax.tree.leaves(args), rows)]
+  x_MxbxLxD = _split(x_BxLxD, microbatches)
+
+  def local(groups, x, leaves):
+    out = _schedule(layer, groups, x, leaves, rows, treedef, axis, n_stages, repeats)
+    return out[None]
+
+  in_specs = (jax.tree.map(lambda _: PartitionSpec(None, axis), groups), PartitionSpec(),
+              [PartitionSpec()] * len(leaves))
+  out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(axis),
+                      axis_names={axis})(groups, x_MxbxLxD, leaves)
+  return _merge(out[n_stages - 1])
+
+
+def _schedule(layer, groups, x_MxbxLxD, leaves, rows, treedef, axis, n_stages, repeats):
+  """One stage's side of the schedule (inside shard_map over `axis`): M×b×L×D outputs,
+  meaningful on the last stage."""
+  n_micro = x_MxbxLxD.shape[0]
+  stage = jax.lax.axis_index(axis)
+  groups = jax.tree.map(lambda p: p[:, 0], groups)  # R×K×… : this stage's groups
+  total = repeats * n_micro
+  ring = [(i, (i + 1) % n_stages) for i in range(n_stages)]
+
+  def apply_group(x, r, m):
+    params = jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(p, r, keepdims=False),
+                          groups)
+    args = jax.tree.unflatten(treedef, [
+        jax.lax.dynamic_index_in_dim(leaf, m, keepdims=False) if r_ else leaf
+        for leaf, r_ in zip(leaves, rows)])
+    return jax.lax.scan(lambda h, p: (layer(h, p, args), None), x, params)[0]
+
+  def iteration(carry, t):
+    held, loop, out = carry
+    # What stage S−1 finished last iteration (now in `held` on stage 0) waits in `loop`.
+    back = t - n_stages
+    slot = jnp.clip(back, 0, total - 1) % n_micro
+    keep = (back >= 0) & (back < total)
+    loop = _put(loop, slot, jnp.where(keep, held, _get(loop, slot)))
+    u = t - stage
+    valid = (u >= 0) & (u < total)
+    u = jnp.clip(u, 0, total - 1)
+    r, m = u // n_micro, u % n_micro
+    fresh = jnp.where(r == 0, _get(x_MxbxLxD, m), _get(loop, m))
+    y = apply_group(jnp.where(stage == 0, fresh, held), r, m)
+    last = valid & (stage == n_stages - 1) & (r == repeats - 1)
+    out = _put(out, m, jnp.where(last, y, _get(out, m)))
+    return (jax.lax.ppermute(y, axis, ring), loop, out), None
+
+  zeros = jax.lax.pcast(jnp.zeros_like(x_MxbxLxD), (axis,), to="varying")  # per stage
+  carry = (zeros[0], zeros, zeros)
+  steps = jnp.arange(total + n_stages - 1)
+  return jax.lax.scan(iteration, carry, steps)[0][2]
+
+
+def _get(buffer, i):
+  return jax.lax.dynamic_index_in_dim(buffer, i, keepdims=False)
+
+
+def _put(buffer, i, value):
+  return jax.lax.dynamic_update_index_in_dim(buffer, value, i, 0)
+
+
+def layers_per_stage(n_layers: int, n_stages: int, repeats: int = 1) -> list[list[int]]:
+  """Which stored layers each stage runs, in the order it runs them."""
+  k = n_layers // (n_stages * repeats)
+  return [[(r * n_stages + s) * k + j for r in range(repeats) for j in range(k)]
+          for s in range(n_stages)]
+
+
+def describe(n_layers: int, n_stages: int, repeats: int, microbatches: int) -> str:
+  kind = "gpipe" if repeats == 1 else f"circular×{repeats}"
+  iterations = repeats * microbatches + n_stages - 1
+  return (f"{kind}: {n_stages} stages × {n_layers // n_stages} layers, {microbatches} "
+          f"microbatches, {iterations} iterations, bubble "
+          f"{bubble(n_stages, microbatches, repeats):.1%}")
+
