@@ -39,6 +39,7 @@ class TrainConfig:
   seed: int = 0
   log_every: int = 10
   eval_batches: int = 8
+  eval_every: int = 0  # held-out loss every N steps (0: only at the end)
   # A step whose loss or gradient norm is not finite: "stop" the run (exit 3, nothing saved
   # from that step on) or "skip" its update, stopping after max_skipped in a row.
   nonfinite: str = "stop"
@@ -52,7 +53,7 @@ class TrainConfig:
     bounds = {**dict.fromkeys(("steps", "global_batch", "seq_len", "microbatches", "log_every",
                                "eval_batches", "max_skipped", "pipeline_repeats"), at_least_1),
               **dict.fromkeys(("lr", "clip_norm", "eps"), positive),
-              **dict.fromkeys(("weight_decay", "warmup_steps"), non_negative),
+              **dict.fromkeys(("weight_decay", "warmup_steps", "eval_every"), non_negative),
               "b1": fraction, "b2": fraction,
               "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
               "seed": (lambda v: 0 <= v < 2**63, "in [0, 2**63)")}
@@ -79,19 +80,24 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  corpus: str = "stdlib"  # "stdlib" (this Python's own source files) or a file/directory path
+  # corpus: "stdlib" (this Python's source), a text file or dir, .jsonl, a prepared dir or
+  # a .bin/.npy token file; tokenizer: "bytes", a tokenizer.json, a .model, a dir (docs/data.md)
+  corpus: str = "stdlib"
+  tokenizer: str = "bytes"
+  text_field: str = "text"  # the text of a .jsonl record
   held_out_fraction: float = 0.02
   max_bytes: int = 64 * 2**20
+  prefetch: int = 2  # batches built ahead in a background thread (0: none)
 
   def __post_init__(self):
-    if not self.corpus.strip():
-      raise ConfigError(f"data.corpus is empty ({self.corpus!r}); give a text file, a "
-                        f"directory of text files, or 'stdlib'")
+    for f in ("corpus", "tokenizer", "text_field"):
+      if not getattr(self, f).strip():
+        raise ConfigError(f"data.{f} is empty ({getattr(self, f)!r}); see docs/data.md")
     if not 0 < self.held_out_fraction < 0.5:
-      raise ConfigError(
-          f"data.held_out_fraction must be in (0, 0.5), got {self.held_out_fraction}")
-    if self.max_bytes < 1:
-      raise ConfigError(f"data.max_bytes must be >= 1, got {self.max_bytes}")
+      raise ConfigError(f"data.held_out_fraction must be in (0, 0.5), got {self.held_out_fraction}")
+    for f, low in (("max_bytes", 1), ("prefetch", 0)):
+      if getattr(self, f) < low:
+        raise ConfigError(f"data.{f} must be >= {low}, got {getattr(self, f)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,8 +172,8 @@ RESUME_FIELDS = ("model", "train.optimizer", "train.b1", "train.b2", "train.eps"
                  "train.weight_decay", "train.decay_norms_and_embeddings", "train.clip_norm",
                  "train.precision", "train.grad_dtype", "train.global_batch", "train.seq_len",
                  "train.microbatches", "train.seed", "data", "lora")
-# A label (the same model from another TOML file is fine), and an implementation choice.
-RESUME_IGNORED = ("model.name", "model.attention", "model.kv_exchange")
+# A label (the same model from another TOML file is fine), and implementation choices.
+RESUME_IGNORED = ("model.name", "model.attention", "model.kv_exchange", "data.prefetch")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -189,10 +195,6 @@ def resume_changes(saved: dict, now: dict, fields=RESUME_FIELDS) -> list[str]:
       key == f or key.startswith(f + ".") for f in fields)
   return [f"{key}: {json.dumps(old[key])} → {json.dumps(new.get(key))}"
           for key in sorted(k for k in old if picked(k)) if old[key] != new.get(key)]
-
-
-def to_json(cfg) -> str:
-  return json.dumps(to_dict(cfg), indent=2, sort_keys=True)
 
 
 def from_dict(cls, data: dict, where: str = "", **given):

@@ -39,6 +39,7 @@ class Sampling:
   top_k: int = 40  # 0: the whole vocabulary
   seed: int = 0
   num_samples: int = 1
+  vocab: int = data.VOCAB  # ids 0..vocab-1 can be drawn: bytes, or a tokenizer's vocabulary
 
   def __post_init__(self):
     for f in ("max_new_tokens", "num_samples"):
@@ -50,9 +51,9 @@ class Sampling:
       raise ConfigError(f"top_k must be >= 0 (0 keeps every token), got {self.top_k}")
 
 
-def sample(logits_BxV, key, temperature: float, top_k: int):
-  """Next tokens from fp32 logits; only byte tokens can be drawn."""
-  logits = logits_BxV[:, :data.VOCAB].astype(jnp.float32)
+def sample(logits_BxV, key, temperature: float, top_k: int, vocab: int = data.VOCAB):
+  """Next tokens from fp32 logits; only ids below `vocab` can be drawn."""
+  logits = logits_BxV[:, :vocab].astype(jnp.float32)
   if temperature == 0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   logits = logits / temperature
@@ -103,7 +104,7 @@ class Generator:
                      precision.cast_for_compute(params, self.abstract.policy))
 
   def _steps(self, batch: int, length: int, s: Sampling):
-    key = (batch, length, s.temperature, s.top_k)
+    key = (batch, length, s.temperature, s.top_k, s.vocab)
     if key in self._jitted:
       return self._jitted[key]
     mesh, rules = self.sh.mesh, self.sh.rules
@@ -113,7 +114,8 @@ class Generator:
     row_sh = self._spec(("batch",), (batch,), "generated tokens")
     cache_sh = self.cache_sharding(batch, length)
     draw = lambda logits, seed, position: sample(
-        logits, jax.random.fold_in(jax.random.key(seed), position), s.temperature, s.top_k)
+        logits, jax.random.fold_in(jax.random.key(seed), position), s.temperature, s.top_k,
+        s.vocab)
 
     def new_cache():
       return self.cfg.model.init_cache(batch, length, self.abstract.policy.compute_dtype)

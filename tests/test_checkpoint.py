@@ -184,7 +184,7 @@ def test_to_hf_needs_overwrite_and_replaces_the_export_whole(tmp_path, capsys, m
   assert to_hf("--max-shard-gb", "0.0002") == 0  # three shards and an index
   (out / "notes.txt").write_text("mine")
   first = sorted(p.name for p in out.iterdir())
-  assert "model.safetensors.index.json" in first and len(first) == 6
+  assert "model.safetensors.index.json" in first and len(first) == 7  # + generation_config
   capsys.readouterr()
 
   assert to_hf() == 2
@@ -207,7 +207,8 @@ def test_to_hf_needs_overwrite_and_replaces_the_export_whole(tmp_path, capsys, m
   monkeypatch.setattr(hf, "export_params", real)
 
   assert to_hf("--overwrite") == 0  # one file now: no shard or index of the old one is left
-  assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+  assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json",
+                                                   "model.safetensors"]
   assert sorted(p.name for p in tmp_path.iterdir() if "exported" in p.name) == ["exported"]
   _, expected = final_params(tmp_path / "src", source)
   abstract = run_lib.abstract_state(source)

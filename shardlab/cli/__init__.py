@@ -4,6 +4,7 @@ is the composition root: the only place (with bench/ and examples/) that picks a
 import sys
 
 from shardlab.cli import convert as convert_cli
+from shardlab.cli import data as data_cli
 from shardlab.cli import generate as generate_cli
 from shardlab.cli import inspect as inspect_cli
 from shardlab.cli import plan as plan_cli
@@ -18,7 +19,7 @@ def launch_main(argv=None, prog: str = "shardlab launch") -> int:
 
 COMMANDS = {"train": train_main, "plan": plan_cli.plan_main, "launch": launch_main,
             "convert": convert_cli.convert_main, "inspect": inspect_cli.inspect_main,
-            "generate": generate_cli.generate_main}
+            "generate": generate_cli.generate_main, "data": data_cli.data_main}
 
 
 def main(argv=None) -> int:

@@ -1,10 +1,12 @@
 """`shardlab generate`: sample text from a trained checkpoint."""
 
 import argparse
+import dataclasses
 import sys
 import time
 
 from shardlab import generate
+import shardlab.cli.text as text_io
 from shardlab.cli.args import add_simulate_devices, setup_devices
 from shardlab.errors import ConfigError
 
@@ -20,10 +22,12 @@ def generate_parser(prog: str = "shardlab generate") -> argparse.ArgumentParser:
   p.add_argument("--strict", action="store_true",
                  help="refuse a damaged newest step instead of falling back to an older one")
   p.add_argument("--prompt", action="append", metavar="TEXT",
-                 help="text to continue (UTF-8 bytes); give it several times to batch "
+                 help="text to continue (encoded with the run's tokenizer: UTF-8 bytes by "
+                      "default); give it several times to batch "
                       "prompts (those of one length share a prefill and decode loop); "
                       "default 'def '")
-  p.add_argument("--max-new-tokens", type=int, default=200, help="bytes to generate")
+  p.add_argument("--max-new-tokens", type=int, default=200,
+                 help="tokens to generate (bytes for a byte-level run); a sample ends at EOS")
   p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
   p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest; 0: all")
   p.add_argument("--seed", type=int, default=0)
@@ -54,12 +58,14 @@ def generate_main(argv=None, prog: str = "shardlab generate") -> int:
     gen, params, cfg, step = generate.from_checkpoint(args.checkpoint, args.mesh,
                                                       args.strategy, args.strict,
                                                       prefill_chunk=args.prefill_chunk)
+    tokenizer = text_io.tokenizer_of(cfg)
+    sampling = dataclasses.replace(sampling, vocab=tokenizer.vocab_size)
     start = time.perf_counter()
     if args.no_cache:
-      texts = [gen.text(params, p, sampling, use_cache=False) for p in prompts]
+      texts = [text_io.uncached_texts(gen, params, tokenizer, p, sampling) for p in prompts]
       report = None
     else:
-      texts, report = gen.texts(params, prompts, sampling)
+      texts, report = text_io.texts(gen, params, tokenizer, prompts, sampling)
     seconds = time.perf_counter() - start
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
@@ -67,7 +73,7 @@ def generate_main(argv=None, prog: str = "shardlab generate") -> int:
   if not args.quiet:
     print(f"# {cfg.model.name} at step {step} from {args.checkpoint}; {cfg.strategy} on "
           f"{cfg.mesh}; {len(prompts)} prompt(s) × {sampling.num_samples} × "
-          f"{sampling.max_new_tokens} bytes in {seconds:.1f} s (compile included)",
+          f"{sampling.max_new_tokens} tokens in {seconds:.1f} s (compile included)",
           file=sys.stderr)
   many = len(prompts) * sampling.num_samples > 1
   for p, (prompt, samples) in enumerate(zip(prompts, texts)):

@@ -1,11 +1,14 @@
 """`python train.py` / `shardlab train`: train a bundled model on a named device mesh."""
 
 import argparse
+import dataclasses
 import sys
+from pathlib import Path
 
 import jax
 
 from shardlab import generate
+import shardlab.cli.text as text
 from shardlab.cli.args import add_model_mesh_strategy, add_overrides, add_simulate_devices
 from shardlab.cli.args import load_config, setup_devices
 from shardlab.cli.auto import add_auto_args, resolve_auto
@@ -13,7 +16,7 @@ from shardlab.errors import ConfigError
 from shardlab.hf import weights as hf
 from shardlab.observe.progress import Activity
 from shardlab.runtime import distributed
-from shardlab.training import loop
+from shardlab.training import loop, tokenizer as tokenizer_lib
 from shardlab.training.run import NonFiniteError
 
 SAMPLE_PROMPT = "def "  # the default corpus is Python source
@@ -28,6 +31,11 @@ def train_parser(prog: str = "train.py") -> argparse.ArgumentParser:
   p.add_argument("--steps", type=int, help="optimizer steps (train.steps)")
   p.add_argument("--seed", type=int, help="init and data seed (train.seed)")
   p.add_argument("--precision", help="auto | fp32 | bf16 | bf16-params (train.precision)")
+  p.add_argument("--eval-every", type=int, metavar="N",
+                 help="held-out loss every N steps, in the metrics, TensorBoard and the plot "
+                      "(train.eval_every; default: only at the end)")
+  p.add_argument("--eval-batches", type=int, metavar="K",
+                 help="held-out batches per evaluation (train.eval_batches, default 8)")
   add_simulate_devices(p)
   p.add_argument("--metrics-file", help="append one JSON object per logged step here")
   p.add_argument("--run-dir", help="write metrics.jsonl (unless --metrics-file), TensorBoard "
@@ -35,7 +43,7 @@ def train_parser(prog: str = "train.py") -> argparse.ArgumentParser:
   p.add_argument("--profile-steps", metavar="A:B",
                  help="jax.profiler trace of steps A+1..B into RUN_DIR/profile")
   p.add_argument("--sample-tokens", type=int, default=80, metavar="N",
-                 help="end a finished run with a sample of N bytes (0: none)")
+                 help="end a finished run with a sample of N tokens (0: none)")
   add_overrides(p)
   p.add_argument("--checkpoint-dir", help="save checkpoints here (async, every "
                  "checkpoint.every steps and at the end) and resume from the newest one")
@@ -70,10 +78,23 @@ def train_parser(prog: str = "train.py") -> argparse.ArgumentParser:
 
 
 def config_from_args(args):
+  cfg = _config_from_args(args)
+  source = cfg.checkpoint.init_from or ""
+  if source.startswith(hf.PREFIX) and cfg.data.tokenizer == "bytes":  # the model's own
+    found = [n for n in (tokenizer_lib.HF_FILE, tokenizer_lib.SP_FILE)
+             if (Path(source[len(hf.PREFIX):]) / n).is_file()]
+    if found:
+      cfg = dataclasses.replace(cfg, data=dataclasses.replace(
+          cfg.data, tokenizer=source[len(hf.PREFIX):]))
+  return cfg
+
+
+def _config_from_args(args):
   return load_config(args.model, args.mesh, args.strategy, args.overrides, {
       "metrics_file": args.metrics_file, "run_dir": args.run_dir,
       "profile_steps": args.profile_steps, "train.steps": args.steps,
       "train.seed": args.seed, "train.precision": args.precision,
+      "train.eval_every": args.eval_every, "train.eval_batches": args.eval_batches,
       "checkpoint.dir": args.checkpoint_dir, "checkpoint.init_from": args.init_from})
 
 
@@ -85,10 +106,11 @@ def sampler(max_new_tokens: int, prompt: str = SAMPLE_PROMPT):
       return {}
     with Activity("sampling", progress):
       gen = generate.Generator(run.cfg, run.abstract, run.shardings)
-      s = generate.Sampling(max_new_tokens=max_new_tokens, seed=run.cfg.train.seed)
-      text = prompt + gen.text(state.params, prompt, s)[0]
-    progress.message(f"sample (temperature 0.8, top-k 40):\n{text}")
-    return {"sample": text}
+      tokenizer = run.feed.tokenizer
+      s = text.sampling(tokenizer, max_new_tokens=max_new_tokens, seed=run.cfg.train.seed)
+      sample = prompt + text.texts(gen, state.params, tokenizer, [prompt], s)[0][0][0]
+    progress.message(f"sample (temperature 0.8, top-k 40):\n{sample}")
+    return {"sample": sample}
 
   return sample
 

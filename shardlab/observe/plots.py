@@ -30,8 +30,13 @@ def write(metrics_jsonl: str | Path, png: str | Path, title: str = "") -> bool:
   by_step = {r["step"]: r for r in records}  # a resumed run may log a step twice: keep the last
   steps = sorted(by_step)
   fig, (loss_ax, speed_ax) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-  loss_ax.plot(steps, [by_step[s]["loss"] for s in steps], color="tab:blue")
-  loss_ax.set_ylabel("loss (nats/byte)")
+  loss_ax.plot(steps, [by_step[s]["loss"] for s in steps], color="tab:blue", label="train")
+  evals = {r["step"]: r["eval_loss"] for r in read_jsonl(metrics_jsonl) if "eval_loss" in r}
+  if evals:  # train.eval_every: the held-out loss
+    loss_ax.plot(sorted(evals), [evals[s] for s in sorted(evals)], "o-", color="tab:orange",
+                 label="held-out")
+    loss_ax.legend()
+  loss_ax.set_ylabel("loss (nats/token)")
   loss_ax.grid(alpha=0.3)
   speed_ax.plot(steps, [by_step[s].get("tokens_per_s", float("nan")) for s in steps],
                 color="tab:green")

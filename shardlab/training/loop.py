@@ -1,8 +1,6 @@
 """The training loop: set up a run from a Config, train, checkpoint, report held-out loss."""
 
-import dataclasses
 import time
-from pathlib import Path
 from typing import Callable
 
 import jax
@@ -11,12 +9,12 @@ from shardlab import config as config_lib
 from shardlab.config import Config
 from shardlab.errors import ConfigError
 from shardlab.observe import plots, profiling, step_report, throughput
-from shardlab.observe.metrics import EventWriter, MetricsWriter
 from shardlab.observe.progress import Activity, Progress
 from shardlab.runtime import distributed
 from shardlab.sharding import mesh as mesh_lib
 from shardlab.training import checkpoint
 from shardlab.training.preemption import StopRequest
+from shardlab.training.reporting import Logger, RunPaths, run_paths
 from shardlab.training.run import NonFiniteGuard, Run, completed, init, last_good
 from shardlab.training.run import resume_check, setup
 
@@ -36,27 +34,8 @@ def describe(run: Run) -> str:
       f"{cfg.train.optimizer}   remat {cfg.train.remat}",
       f"batch    {cfg.train.global_batch} × {cfg.train.seq_len} tokens, "
       f"{cfg.train.microbatches} microbatch(es), {cfg.train.steps} steps",
-      f"data     {run.corpus.source}: {len(run.corpus.train):,} train / "
-      f"{len(run.corpus.held_out):,} held-out bytes; unigram baseline "
-      f"{run.corpus.unigram_loss():.3f} nats/byte",
+      f"data     {run.feed.describe()}",
   ])
-
-
-@dataclasses.dataclass(frozen=True)
-class RunPaths:
-  """Where a run writes: the JSONL always beside the rest when run_dir is set."""
-  metrics: str | None
-  events: str | None
-  plot: str | None
-  profile: str | None
-
-
-def run_paths(cfg: Config) -> RunPaths:
-  if not cfg.run_dir:
-    return RunPaths(cfg.metrics_file, None, None, None)
-  d = Path(cfg.run_dir)
-  return RunPaths(cfg.metrics_file or str(d / "metrics.jsonl"), str(d), str(d / "plot.png"),
-                  str(d / "profile"))
 
 
 def compiled_report(run: Run, state, first_batch) -> tuple[object, step_report.StepReport]:
@@ -67,14 +46,14 @@ def compiled_report(run: Run, state, first_batch) -> tuple[object, step_report.S
 
 def _start_state(run: Run, ckpt, progress: Progress, sources: ParamSources,
                  allow_config_change: bool = False):
-  """(state, first step, skipped steps): resumed from `ckpt`, or fresh (params from
-  init_from if set)."""
+  """(state, first step, skipped steps, saved progress or None): resumed from `ckpt`, or
+  fresh (params from init_from if set)."""
   if ckpt is not None and ckpt.latest_step() is not None:
     state, saved = ckpt.restore(run.abstract, run.shardings, warn=progress.message,
                                 check_config=resume_check(run.cfg, allow_config_change,
                                                           progress.message))
     progress.message(f"resuming from the checkpoint at step {saved['step']} in {ckpt.directory}")
-    return state, int(saved["step"]), int(saved.get("skipped_steps", 0))
+    return state, int(saved["step"]), int(saved.get("skipped_steps", 0)), saved
   state = init(run)
   source = run.cfg.checkpoint.init_from
   if source:
@@ -87,47 +66,10 @@ def _start_state(run: Run, ckpt, progress: Progress, sources: ParamSources,
                                                progress.message)
     state = state.replace(params=completed(params, state.params, run.abstract, source))
     progress.message(f"initialised params from {source} (step {step}); fresh optimizer state")
-  return state, 0, 0
+  return state, 0, 0, None
 
 
-class _Logger:
-  """Metrics of every logged step to the JSONL, TensorBoard and the progress bar."""
-
-  def __init__(self, cfg: Config, paths: RunPaths, progress: Progress, rates, first: int):
-    leader = distributed.is_leader()  # the other processes train silently
-    self.file = MetricsWriter(paths.metrics if leader else None)
-    self.events = EventWriter(paths.events) if paths.events and leader else None
-    self.progress, self.rates, self.cfg = progress, rates, cfg
-    self.last_time, self.last_step, self.record = time.perf_counter(), first, {}
-    self.skipped = 0
-
-  def due(self, done: int) -> bool:
-    return done % self.cfg.train.log_every == 0 or done == self.cfg.train.steps
-
-  def log(self, done: int, metrics, counts: dict) -> None:
-    """Writes the step's metrics; `counts` (NonFiniteGuard's) turn the per-step `skipped`
-    flag into the run's total."""
-    t = self.cfg.train
-    metrics = {k: float(v) for k, v in jax.device_get(metrics).items() if k != "finite"}
-    if "skipped" in metrics:
-      metrics["skipped"] = counts["bad"]
-      if counts["bad"] > self.skipped:
-        self.progress.message(f"warning: {counts['bad']} non-finite step(s) skipped so far "
-                              f"(train.nonfinite=skip), the last at step {counts['last']}")
-      self.skipped = counts["bad"]
-    now = time.perf_counter()
-    step_time = (now - self.last_time) / (done - self.last_step)
-    self.record = {"step": done, **metrics,
-                   "tokens_per_s": t.global_batch * t.seq_len / step_time,
-                   "step_time_s": step_time, **self.rates.record(step_time)}
-    self.file.write(self.record)
-    if self.events:
-      self.events.write(self.record)
-    self.progress.update(self.record)
-    self.last_time, self.last_step = now, done
-
-
-def _loop(run: Run, compiled, state, first_step, first_batch, ckpt, logger, profile,
+def _loop(run: Run, compiled, state, first_step, inputs, ckpt, logger, profile,
           stop_after, guard: NonFiniteGuard):
   """Steps until the last (or a stop); returns (state, steps done, signal name or None,
   skipped steps). The non-finite counts are fetched only at log steps and before saves
@@ -136,7 +78,7 @@ def _loop(run: Run, compiled, state, first_step, first_batch, ckpt, logger, prof
   counts = guard.fetch()
   with StopRequest() as stop:
     for step in range(first_step, t.steps):
-      x = first_batch if step == first_step else run.batch(run.corpus.train, t.seed, step)
+      x = inputs.get(step)
       profile.before(step)
       state, metrics = compiled(state, x)
       guard.after_step(metrics)
@@ -152,7 +94,9 @@ def _loop(run: Run, compiled, state, first_step, first_batch, ckpt, logger, prof
         if ckpt is not None:
           ckpt.check()  # a save that failed in the background ends the run now
       if saving:
-        ckpt.save(state, config_json, _progress(run.cfg, done, counts["bad"]), force=True)
+        ckpt.save(state, config_json, _progress(run, done, counts["bad"]), force=True)
+      if t.eval_every and done % t.eval_every == 0 and done < t.steps:
+        _evaluate(run, state, done, logger)
       if stopping:
         break
     if ckpt is not None:
@@ -193,19 +137,20 @@ def train(cfg: Config, quiet: bool = False, fresh: bool = False, overwrite: bool
   progress.message(describe(run))
   ckpt = checkpoint.Checkpointer(cfg.checkpoint) if cfg.checkpoint.dir else None
   start = time.perf_counter()
-  state, first_step, skipped = _start_or_close(run, ckpt, progress, param_sources or {},
-                                               allow_config_change)
+  state, first_step, skipped, saved = _start_or_close(run, ckpt, progress,
+                                                      param_sources or {}, allow_config_change)
   if first_step >= cfg.train.steps:
     return _nothing_to_train(cfg, first_step, progress, ckpt)
-  first = run.batch(run.corpus.train, cfg.train.seed, first_step)
-  compiled, report, rates = _compile(run, state, first, progress, start)
-  logger = _Logger(cfg, paths, progress, rates, first_step)
+  inputs = run.inputs(first_step, saved)
+  compiled, report, rates = _compile(run, state, inputs.peek(first_step), progress, start)
+  logger = Logger(cfg, paths, progress, rates, first_step, inputs)
   guard = NonFiniteGuard(cfg.train, run.mesh, first_step, skipped)
   logger.skipped = skipped  # a resumed run warns only about steps it skips itself
   try:
-    state, done, signal, skipped = _loop(run, compiled, state, first_step, first, ckpt,
+    state, done, signal, skipped = _loop(run, compiled, state, first_step, inputs, ckpt,
                                          logger, profile, stop_after, guard)
   finally:
+    inputs.close()
     progress.close()
     profile.stop(state)
     logger.file.close()
@@ -245,7 +190,7 @@ def _nothing_to_train(cfg: Config, step: int, progress: Progress, ckpt) -> dict:
           "nothing_to_train": True}
 
 
-def _finish(run: Run, state, ran: int, done: int, signal, logger: _Logger,
+def _finish(run: Run, state, ran: int, done: int, signal, logger: Logger,
             progress: Progress, paths: RunPaths) -> dict:
   record = logger.record
   summary = {"steps_done": done, "final_loss": record.get("loss"),
@@ -254,7 +199,7 @@ def _finish(run: Run, state, ran: int, done: int, signal, logger: _Logger,
              "steps_this_run": ran}
   if not signal and done >= run.cfg.train.steps:
     summary["held_out_loss"] = run.held_out_loss(state.params)
-    summary["unigram_loss"] = run.corpus.unigram_loss()
+    summary["unigram_loss"] = run.feed.unigram_loss()
     if logger.events:
       logger.events.write({"step": done, "held_out_loss": summary["held_out_loss"]},
                           prefix="eval/")
@@ -281,16 +226,25 @@ def _report_end(run: Run, summary: dict, profile, progress: Progress, start: flo
     progress.message(f"stopped after {summary['steps_this_run']} steps (--stop-after){where}")
   else:
     summary["wall_s"] = time.perf_counter() - start
-    progress.message(f"held-out loss {summary['held_out_loss']:.4f} nats/byte (unigram "
+    progress.message(f"held-out loss {summary['held_out_loss']:.4f} nats/{run.feed.unit} (unigram "
                      f"baseline {summary['unigram_loss']:.4f}) after {run.cfg.train.steps} "
                      f"steps in {summary['wall_s']:.0f} s{where}")
 
 
-def _progress(cfg: Config, step: int, skipped: int = 0) -> dict:
-  """What a resume needs besides the arrays. Batches are a pure function of (seed, step),
-  so the data position is the step and there is no RNG state beyond the seed."""
+def _evaluate(run: Run, state, done: int, logger: Logger) -> None:
+  """train.eval_every: the held-out loss now; its time is not counted as step time."""
+  start = time.perf_counter()
+  logger.evaluated(done, run.held_out_loss(state.params))
+  logger.last_time += time.perf_counter() - start
+
+
+def _progress(run: Run, step: int, skipped: int = 0) -> dict:
+  """What a resume needs besides the arrays: the step, the seed, and where the input stands
+  (`data`: for packed documents, the rows consumed; training/feed.py)."""
+  cfg = run.cfg
   progress = {"step": step, "seed": cfg.train.seed, "data_position": step,
-              "global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len}
+              "global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len,
+              "data": run.feed.state(run.position(step))}
   if cfg.train.nonfinite == "skip":
     progress["skipped_steps"] = skipped
   return progress

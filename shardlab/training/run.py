@@ -22,10 +22,11 @@ from shardlab.models import lm
 from shardlab.sharding import mesh as mesh_lib
 from shardlab.sharding import rules as rules_lib
 from shardlab.training import data, optim, precision
+from shardlab.training import feed as feed_lib
 from shardlab.training import state as state_lib
 from shardlab.training import step as step_lib
 
-EVAL_SEED_OFFSET = 1_000_003  # held-out batches never share a seed with training batches
+EVAL_SEED_OFFSET = feed_lib.EVAL_SEED_OFFSET
 
 
 @dataclasses.dataclass
@@ -38,17 +39,39 @@ class Run:
   train_step: object  # jitted
   eval_step: object
   corpus: data.Corpus | None
+  feed: feed_lib.ByteFeed | feed_lib.PackedFeed | None = None
+  start: tuple[int, int] = (0, 0)  # (first step, its data position): set by `inputs`
 
   def batch(self, tokens: np.ndarray, seed: int, step: int) -> jax.Array:
     t = self.cfg.train
     return data.global_batch(tokens, seed, step, t.global_batch, t.seq_len,
                              self.shardings.batch)
 
+  def _rows(self) -> tuple[int, int]:
+    t = self.cfg.train
+    return data.process_rows(self.shardings.batch, (t.global_batch, t.seq_len + 1))
+
   def held_out_loss(self, params) -> float:
-    seed = self.cfg.train.seed + EVAL_SEED_OFFSET
-    losses = [self.eval_step(params, self.batch(self.corpus.held_out, seed, i))
-              for i in range(self.cfg.train.eval_batches)]
+    """Mean loss over train.eval_batches held-out batches (the same ones at every call)."""
+    rows, t = self._rows(), self.cfg.train
+    losses = [self.eval_step(params, feed_lib.place(self.feed.held_out(i, rows),
+                                                    self.shardings.batch, t.global_batch))
+              for i in range(t.eval_batches)]
     return float(np.mean(jax.device_get(losses)))
+
+  def position(self, step: int) -> int:
+    """The data position of `step`'s batch (the feed's, counted from `inputs`' start)."""
+    first, position = self.start
+    return position + (step - first) * self.feed.advance(0)
+
+  def inputs(self, first_step: int, saved: dict | None) -> feed_lib.Prefetcher:
+    """The train batches from `first_step` on (a resume continues at the saved position),
+    built data.prefetch batches ahead in a background thread."""
+    self.start = (first_step, self.feed.start(first_step, saved))
+    rows, t = self._rows(), self.cfg.train
+    produce = lambda step: feed_lib.place(self.feed.host(self.position(step), rows),
+                                          self.shardings.batch, t.global_batch)
+    return feed_lib.Prefetcher(produce, first_step, self.cfg.data.prefetch)
 
   def flops_per_step(self) -> float:
     t = self.cfg.train
@@ -146,7 +169,8 @@ def make_steps(cfg: Config, abstract: state_lib.Abstract, shardings_: state_lib.
 
 def setup(cfg: Config, with_data: bool = True, devices=None) -> Run:
   """Validates the config against the devices and data, and builds the sharded steps."""
-  if with_data and cfg.model.vocab_size < data.VOCAB:
+  bytes_data = with_data and not feed_lib.is_packed(cfg.data)
+  if bytes_data and cfg.model.vocab_size < data.VOCAB:
     raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) must be >= {data.VOCAB} "
                       f"for byte-level text data")
   if cfg.train.seq_len > cfg.model.max_seq_len:
@@ -154,11 +178,18 @@ def setup(cfg: Config, with_data: bool = True, devices=None) -> Run:
                       f"({cfg.model.max_seq_len})")
   rules_lib.strategy(cfg.strategy, cfg.rules)  # a bad strategy fails before the mesh
   mesh = mesh_lib.build(mesh_lib.load(cfg.mesh), devices=devices)
-  corpus = data.load(cfg.data, cfg.train.seq_len) if with_data else None
+  t = cfg.train
+  feed = feed_lib.feed(cfg.data, t.seed, t.global_batch, t.seq_len) if with_data else None
+  if feed is not None and feed.tokenizer.vocab_size > cfg.model.vocab_size:
+    raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the "
+                      f"vocabulary of data.tokenizer {feed.tokenizer.spec!r} "
+                      f"({feed.tokenizer.vocab_size}); use a model with vocab_size >= "
+                      f"{feed.tokenizer.vocab_size}")
   abstract = abstract_state(cfg)
   shardings_ = shardings(cfg, abstract, mesh, offload=True)
   train_step, eval_step = make_steps(cfg, abstract, shardings_)
-  return Run(cfg, mesh, abstract, shardings_, train_step, eval_step, corpus)
+  return Run(cfg, mesh, abstract, shardings_, train_step, eval_step,
+             getattr(feed, "corpus", None), feed)
 
 
 def init(run: Run) -> state_lib.TrainState:

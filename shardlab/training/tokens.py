@@ -1,0 +1,232 @@
+"""Tokenized documents: read text (files, directories, JSONL), tokenize once in parallel,
+write shards plus an index (`shardlab data prepare`), and read them back memory-mapped.
+
+A prepared directory holds index.json, a copy of the tokenizer, and per split (`train`,
+`held_out`) shards `<split>-NNNNN.npy` (the token ids, uint16 or uint32, documents
+back to back, each followed by EOS when the tokenizer has one) with
+`<split>-NNNNN.docs.npy` (each document's start offset). A shard ends at a document
+boundary. nanoGPT-style token files (`.bin`: raw uint16; `.npy`) are read as one stream,
+split into documents after each EOS.
+"""
+
+import concurrent.futures
+import dataclasses
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from shardlab.errors import ConfigError
+from shardlab.training import tokenizer as tokenizer_lib
+
+INDEX = "index.json"
+SPLITS = ("train", "held_out")
+TOKEN_FILES = (".bin", ".npy")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+  tokens: np.ndarray  # 1-D ids (memory-mapped when read from disk)
+  doc_starts: np.ndarray  # int64 offsets into `tokens`, ascending, the first 0
+
+
+def documents(source: str, text_field: str = "text", max_bytes: int | None = None,
+              stdlib_files=None) -> Iterator[str]:
+  """The documents of a text source: each file of a file or directory (or of `stdlib_files`
+  for "stdlib"), or each line's `text_field` of a .jsonl file; at most `max_bytes` of text."""
+  files = stdlib_files if source == "stdlib" else _text_files(source)
+  budget = max_bytes or sys.maxsize
+  for path in files:
+    if budget <= 0:
+      return
+    if path.suffix == ".jsonl":
+      for n, line in enumerate(path.open(encoding="utf-8", errors="replace")):
+        if line.strip() and budget > 0:
+          text = _field(line, text_field, path, n + 1)
+          budget -= len(text)
+          yield text
+      continue
+    with open(path, "rb") as stream:
+      data = stream.read(budget if max_bytes else -1)
+    budget -= len(data)
+    yield data.decode("utf-8", errors="replace")
+
+
+def _text_files(source: str) -> list[Path]:
+  path = Path(source)
+  if path.is_dir():
+    return sorted(p for p in path.rglob("*") if p.is_file())
+  if path.is_file():
+    return [path]
+  raise ConfigError(f"data.corpus {source!r} does not exist; give a text file, a directory "
+                    f"of text files, a .jsonl file, a prepared directory, a .bin/.npy token "
+                    f"file, or 'stdlib'")
+
+
+def _field(line: str, field: str, path: Path, n: int) -> str:
+  try:
+    record = json.loads(line)
+  except json.JSONDecodeError as e:
+    raise ConfigError(f"{path}:{n} is not JSON ({e})") from None
+  if not isinstance(record, dict) or not isinstance(record.get(field), str):
+    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+    raise ConfigError(f"{path}:{n} has no text field {field!r} (data.text_field); its keys: "
+                      f"{keys}")
+  return record[field]
+
+
+_WORKER_TOKENIZER = None
+
+
+def _start_worker(spec: str) -> None:
+  global _WORKER_TOKENIZER
+  _WORKER_TOKENIZER = tokenizer_lib.load(spec)
+
+
+def _encode_chunk(texts: list[str]) -> list[np.ndarray]:
+  tok = _WORKER_TOKENIZER
+  eos = [] if tok.eos_id is None else [tok.eos_id]
+  dtype = tokenizer_lib.token_dtype(tok.vocab_size)
+  return [np.asarray(tok.encode(t) + eos, dtype) for t in texts]
+
+
+def _chunks(docs: Iterator[str], size: int) -> Iterator[list[str]]:
+  chunk = []
+  for doc in docs:
+    chunk.append(doc)
+    if len(chunk) == size:
+      yield chunk
+      chunk = []
+  if chunk:
+    yield chunk
+
+
+class _Writer:
+  """Collects one split's documents into shards of about `shard_tokens` tokens, written
+  under `out` (or kept in memory when `out` is None)."""
+
+  def __init__(self, split: str, out: Path | None, shard_tokens: int, dtype):
+    self.split, self.out, self.limit, self.dtype = split, out, shard_tokens, dtype
+    self.docs, self.count, self.shards, self.files = [], 0, [], []
+
+  def add(self, ids: np.ndarray) -> None:
+    self.docs.append(ids)
+    self.count += len(ids)
+    if self.count >= self.limit:
+      self.flush()
+
+  def flush(self) -> None:
+    if not self.docs:
+      return
+    tokens = np.concatenate(self.docs).astype(self.dtype)
+    starts = np.cumsum([0] + [len(d) for d in self.docs[:-1]]).astype(np.int64)
+    if self.out is None:
+      self.shards.append(Shard(tokens, starts))
+    else:
+      name = f"{self.split}-{len(self.files):05d}"
+      np.save(self.out / f"{name}.npy", tokens)
+      np.save(self.out / f"{name}.docs.npy", starts)
+      self.files.append({"tokens": f"{name}.npy", "docs": f"{name}.docs.npy",
+                         "n_tokens": len(tokens), "n_docs": len(starts)})
+    self.docs, self.count = [], 0
+
+
+def tokenize(docs: Iterator[str], tokenizer_spec: str, held_out_fraction: float,
+             out: Path | None = None, workers: int = 0, shard_tokens: int = 2**27,
+             say=None) -> dict:
+  """Tokenizes `docs` in `workers` processes (0: every core), sending every ⌈1/fraction⌉-th
+  document to the held-out split; returns {split: _Writer}. Reports progress to `say`."""
+  tok = tokenizer_lib.load(tokenizer_spec)
+  dtype = tokenizer_lib.token_dtype(tok.vocab_size)
+  writers = {s: _Writer(s, out, shard_tokens, dtype) for s in SPLITS}
+  workers = workers or os.cpu_count() or 1
+  start, last, n, total = time.perf_counter(), 0.0, 0, 0
+  # spawn, not fork: the caller may be a (multithreaded) JAX process
+  with concurrent.futures.ProcessPoolExecutor(
+      workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
+      initargs=(tokenizer_spec,)) as pool:
+    for encoded in pool.map(_encode_chunk, _chunks(docs, 64)):
+      for ids in encoded:
+        held = int((n + 1) * held_out_fraction) > int(n * held_out_fraction)
+        writers["held_out" if held else "train"].add(ids)
+        n, total = n + 1, total + len(ids)
+      now = time.perf_counter()
+      if say and now - last > 1.0:
+        say(f"tokenized {n:,} documents, {total:,} tokens ({total / (now - start):,.0f} "
+            f"tokens/s)")
+        last = now
+  for w in writers.values():
+    w.flush()
+  if say:
+    say(f"tokenized {n:,} documents, {total:,} tokens in {time.perf_counter() - start:.1f} s")
+  return writers
+
+
+def prepare(source: str, out: str | Path, tokenizer_spec: str, text_field: str = "text",
+            held_out_fraction: float = 0.02, workers: int = 0, shard_tokens: int = 2**27,
+            max_bytes: int | None = None, say=None, stdlib_files=None) -> dict:
+  """`shardlab data prepare`: tokenizes `source` into shards + index.json under `out`
+  (which must be empty or new); returns the index."""
+  out = Path(out)
+  if out.exists() and any(out.iterdir()):
+    raise ConfigError(f"output directory {str(out)!r} is not empty; choose another")
+  out.mkdir(parents=True, exist_ok=True)
+  tok = tokenizer_lib.load(tokenizer_spec)
+  writers = tokenize(documents(source, text_field, max_bytes, stdlib_files), tokenizer_spec,
+                     held_out_fraction, out, workers, shard_tokens, say)
+  path = tokenizer_lib.find(tokenizer_spec)
+  if path is not None:
+    shutil.copy2(path, out / path.name)
+  index = {"format": 1, "source": str(source), "tokenizer": path.name if path else "bytes",
+           "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+           "dtype": tokenizer_lib.token_dtype(tok.vocab_size).name,
+           "splits": {s: w.files for s, w in writers.items()}}
+  if not index["splits"]["held_out"] or not index["splits"]["train"]:
+    shutil.rmtree(out)  # nothing usable: a rerun with other settings may use the name
+    raise ConfigError(f"{source} gave too few documents for a train and a held-out split "
+                      f"(held_out_fraction {held_out_fraction}); give more text or a larger fraction")
+  (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+  return index
+
+
+def is_prepared(source: str) -> bool:
+  return (Path(source) / INDEX).is_file()
+
+
+def read_prepared(directory: str | Path) -> tuple[dict, dict[str, list[Shard]]]:
+  """(index, {split: shards}) of a prepared directory, memory-mapped."""
+  directory = Path(directory)
+  try:
+    index = json.loads((directory / INDEX).read_text())
+    splits = {s: [Shard(np.load(directory / f["tokens"], mmap_mode="r"),
+                        np.load(directory / f["docs"]))
+                  for f in index["splits"][s]] for s in SPLITS}
+  except (OSError, KeyError, ValueError, json.JSONDecodeError) as e:
+    raise ConfigError(f"{directory} is not a complete prepared data directory "
+                      f"({type(e).__name__}: {e}); rerun shardlab data prepare") from None
+  return index, splits
+
+
+def read_token_file(path: str | Path, eos_id: int | None, held_out_fraction: float):
+  """{split: [Shard]} of a nanoGPT-style token file: documents end after each EOS; the last
+  `held_out_fraction` of the tokens (from a document start) is held out."""
+  path = Path(path)
+  tokens = (np.memmap(path, np.uint16, mode="r") if path.suffix == ".bin"
+            else np.load(path, mmap_mode="r"))
+  if tokens.ndim != 1:
+    raise ConfigError(f"data.corpus {str(path)!r} holds a {tokens.ndim}-D array; a token "
+                      f"file is one 1-D stream of ids")
+  ends = [] if eos_id is None else np.flatnonzero(np.asarray(tokens) == eos_id) + 1
+  starts = np.unique(np.concatenate([[0], ends])).astype(np.int64)
+  starts = starts[starts < len(tokens)]
+  cut = int(starts[np.searchsorted(starts, int(len(tokens) * (1 - held_out_fraction)))
+                   - 1]) if len(starts) > 1 else int(len(tokens) * (1 - held_out_fraction))
+  train = starts[starts < cut]
+  return {"train": [Shard(tokens[:cut], train)],
+          "held_out": [Shard(tokens[cut:], np.concatenate([[0], starts[starts > cut] - cut]))]}
