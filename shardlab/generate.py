@@ -108,7 +108,7 @@ class Generator:
     if key in self._jitted:
       return self._jitted[key]
     mesh, rules = self.sh.mesh, self.sh.rules
-    params_sh = self.sh.state.params
+    params_sh = self.sh.on_device.params
     replicated = NamedSharding(mesh, PartitionSpec())
     tokens_sh = self._spec(("batch", None), (batch, 1), "prompt")
     row_sh = self._spec(("batch",), (batch,), "generated tokens")
@@ -154,7 +154,7 @@ class Generator:
     sharded inputs: nothing is allocated (`plan --inference --compile`)."""
     steps = self._steps(batch, length, Sampling(temperature=0.0, top_k=0))
     place = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-    params = jax.tree.map(place, self.abstract.state.params, self.sh.state.params)
+    params = jax.tree.map(place, self.abstract.state.params, self.sh.on_device.params)
     cache = jax.tree.map(place, jax.eval_shape(lambda: self.cfg.model.init_cache(
         batch, length, self.abstract.policy.compute_dtype)), steps["cache_sharding"])
     token = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=steps["row_sharding"])
@@ -173,6 +173,7 @@ class Generator:
     Prompts of one length share a batch (one prefill, one decode loop): the cache has one
     write position for all its rows."""
     prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+    params = jax.device_put(params, self.sh.on_device.params)  # a run's may be on the host
     report = report or ServingReport()
     groups: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):

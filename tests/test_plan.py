@@ -172,10 +172,11 @@ def test_cli_reports_errors_without_traceback(capsys):
 
 def test_hardware_entries_are_complete():
   for acc in hardware.ACCELERATORS.values():
-    assert acc.peak_flops > 1e14 and acc.hbm_bw > 5e11 and acc.ici_bw > acc.dcn_bw > 0
+    assert acc.peak_flops > 1e14 and acc.hbm_bw > 2e11 and acc.ici_bw > acc.dcn_bw > 0
+    assert 1e10 <= acc.host_bw <= 1e11  # PCIe 4.0 / 5.0 x16
     assert 0 < acc.usable_bytes < acc.hbm_bytes
     assert (acc.topology is not None) == (acc.kind == "tpu")
-  assert set(hardware.names()) == {"a100-40g", "a100-80g", "h100-80g", "h200", "tpu-v4",
+  assert set(hardware.names()) == {"a100-40g", "a100-80g", "h100-80g", "h200", "l4-24g", "tpu-v4",
                                    "tpu-v5e", "tpu-v5p", "tpu-v6e"}
 
 

@@ -34,7 +34,7 @@ def plan_parser(prog: str = "shardlab plan") -> argparse.ArgumentParser:
                  help="auto (the stored params': fp32 under bf16) | fp32 | bf16")
   p.add_argument("--global-batch", type=int, default=256, help="sequences per step")
   p.add_argument("--seq-len", type=int, default=2048)
-  p.add_argument("--remat", default="full", help="none | full | save-matmul-outputs")
+  p.add_argument("--remat", default="full", help="none | full | save-matmul-outputs | offload")
   p.add_argument("--microbatches", type=int, default=1, help="gradient accumulation steps")
   p.add_argument("--strategy", default="fsdp", help=" | ".join(plan_lib.STRATEGIES))
   p.add_argument("--mesh", help="preset (meshes/), TOML file, or inline 'data:2,fsdp:-1'")
@@ -43,7 +43,9 @@ def plan_parser(prog: str = "shardlab plan") -> argparse.ArgumentParser:
   p.add_argument("--target", help=f"{' | '.join(hardware.names())} (default: the mesh "
                                   f"preset's accelerator, else h100-80g)")
   p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                 help="rules overrides, e.g. rules.activations.length=context")
+                 help="rules overrides (rules.activations.length=context), optimizer-state "
+                      "offload (train.offload=opt_state) or LoRA (lora.rank=16, lora.alpha, "
+                      "lora.targets=q,k,v,o,gate,up,down)")
   p.add_argument("--search", action="store_true",
                  help="rank every data × fsdp × tensor factorisation and strategy that fits")
   p.add_argument("--top", type=int, default=10, help="rows of --search to print")
@@ -74,15 +76,14 @@ def plan_parser(prog: str = "shardlab plan") -> argparse.ArgumentParser:
   return p
 
 
+PLAN_OVERRIDES = ("rules.", "train.offload=", "lora.")
+
+
 def request_from_args(args):
-  rules = {}
   for item in args.overrides:
-    if not item.startswith("rules."):
-      raise ConfigError(f"--set here takes rules.TABLE.AXIS=MESH_AXIS, got {item!r}")
-  if args.overrides:
-    cfg = config_lib.apply_overrides(config_lib.Config(model=None),
-                                     args.overrides)
-    rules = cfg.rules
+    if not item.startswith(PLAN_OVERRIDES):
+      raise ConfigError(f"--set here takes {', '.join(PLAN_OVERRIDES)}..., got {item!r}")
+  cfg = config_lib.apply_overrides(config_lib.Config(model=None), args.overrides)
   target = args.target
   if target is None:
     acc = mesh_lib.load(args.mesh).accelerator if args.mesh else None
@@ -92,7 +93,8 @@ def request_from_args(args):
       grad_dtype=args.grad_dtype,
       global_batch=args.global_batch, seq_len=args.seq_len, remat=args.remat,
       microbatches=args.microbatches, strategy=args.strategy, mesh=args.mesh,
-      devices=args.devices, target=target, rules=rules)
+      devices=args.devices, target=target, rules=cfg.rules, offload=cfg.train.offload,
+      lora=cfg.lora)
 
 
 def plan_main(argv=None, prog: str = "shardlab plan") -> int:
@@ -203,7 +205,9 @@ def _header(result) -> list[str]:
   e, m, r, acc = result.estimate, result.model, result.request, result.target
   return [
       f"model     {m.name}: {m.n_params / 1e9:.2f}B params   optimizer {r.optimizer}   "
-      f"precision {r.precision}   remat {r.remat}",
+      f"precision {r.precision}   remat {r.remat}   offload {r.offload}" +
+      (f"   LoRA rank {r.lora.rank} on {r.lora.targets} "
+       f"({m.n_lora_params(r.lora) / 1e6:.1f}M trained)" if r.lora.rank else ""),
       f"batch     {r.global_batch} × {r.seq_len} tokens, {r.microbatches} microbatch(es)",
       f"target    {acc.name}: {acc.peak_flops / 1e12:.0f} TFLOP/s bf16, "
       f"{acc.hbm_bytes / 2**30:.1f} GiB HBM ({acc.usable_bytes / 2**30:.2f} usable), "
@@ -225,8 +229,12 @@ def _memory_lines(result) -> list[str]:
         ("whole on every device" if how["divided_by"] <= 1 else f"÷ {how['divided_by']:g}"))
     lines.append(f"  {label:18s}{_gib(value)}{note}")
   verdict = "fits" if e.fits else "DOES NOT FIT"
-  return lines + [f"  {'total':18s}{_gib(mem.total)}   {verdict}, headroom "
-                  f"{e.headroom / GiB:.2f} GiB of {e.usable_bytes / GiB:.2f} GiB usable", ""]
+  lines.append(f"  {'total':18s}{_gib(mem.total)}   {verdict}, headroom "
+               f"{e.headroom / GiB:.2f} GiB of {e.usable_bytes / GiB:.2f} GiB usable")
+  if mem.host:
+    lines.append(f"  {'host memory':18s}{_gib(mem.host)}   offloaded (not in the total); "
+                 f"{e.host_transfer_bytes / GiB:.2f} GiB host↔device per step")
+  return lines + [""]
 
 
 def _min_device_lines(result) -> list[str]:
@@ -253,6 +261,8 @@ def _time_lines(result) -> list[str]:
       f"  memory  {e.memory_s * 1e3:10.1f} ms   (HBM traffic)",
       f"  comm    {e.comm_s * 1e3:10.1f} ms   (ICI {acc.ici_bw / 1e9:.0f} GB/s, DCN "
       f"{acc.dcn_bw / 1e9:.1f} GB/s per device)",
+      *([f"  host    {e.host_s * 1e3:10.1f} ms   (offload traffic at "
+         f"{acc.host_bw / 1e9:.0f} GB/s each way)"] if e.host_transfer_bytes else []),
       f"  step    {e.step_s * 1e3:10.1f} ms   bound by {e.binding}; "
       f"{e.tokens_per_s:,.0f} tokens/s",
       f"  MFU     {e.mfu:10.1%} predicted (assumes {e.efficiency:.0%} of peak on {acc.name}: "

@@ -30,6 +30,9 @@ class StepReport:
   alias_bytes: int
   temp_bytes: int
   code_bytes: int
+  # Peak host memory (offloaded state and activations); 0 where the backend reports none:
+  # XLA:CPU does not tell host from device memory.
+  host_bytes: int = 0
 
   @property
   def total_bytes(self) -> int:
@@ -58,7 +61,9 @@ def report(compiled, mesh: Mesh) -> StepReport:
   get = lambda field: int(getattr(mem, field, 0) or 0) if mem is not None else 0
   return StepReport(rows, get("argument_size_in_bytes"), get("output_size_in_bytes"),
                     get("alias_size_in_bytes"), get("temp_size_in_bytes"),
-                    get("generated_code_size_in_bytes"))
+                    get("generated_code_size_in_bytes"),
+                    get("host_argument_size_in_bytes") + get("host_output_size_in_bytes") -
+                    get("host_alias_size_in_bytes") + get("host_temp_size_in_bytes"))
 
 
 def bytes_text(n: float) -> str:
@@ -73,7 +78,8 @@ def render(r: StepReport, title: str = "compiled train step, per device") -> lis
   lines = [f"{title}: arguments {bytes_text(r.argument_bytes)}, outputs "
            f"{bytes_text(r.output_bytes)} ({bytes_text(r.alias_bytes)} aliased to arguments), "
            f"temporaries "
-           f"{bytes_text(r.temp_bytes)}, peak {bytes_text(r.total_bytes)}"]
+           f"{bytes_text(r.temp_bytes)}, peak {bytes_text(r.total_bytes)}" +
+           (f"; host memory {bytes_text(r.host_bytes)}" if r.host_bytes else "")]
   if not r.collectives:
     lines.append("  no collectives")
   for row in r.collectives:

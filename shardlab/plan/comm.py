@@ -77,6 +77,11 @@ BACKENDS = {"tpu": Backend("tpu", True, True), "gpu": Backend("gpu", True, True)
             "cpu": Backend("cpu", False, False)}
 
 
+# Remat policies that run every layer's forward twice ("offload" keeps the layer input on
+# the host rather than the device, and recomputes as "full" does).
+RECOMPUTE_ALL = ("full", "offload")
+
+
 def param_transfers(abstract, rules: rules_lib.Rules, mesh, policy, microbatches: int,
                     tied: bool, backend: Backend) -> list[Transfer]:
   """Weight gathers (ZeRO-1/2's working copy once per step, FSDP's per use), gradient
@@ -88,6 +93,7 @@ def param_transfers(abstract, rules: rules_lib.Rules, mesh, policy, microbatches
   compute_bytes = jnp.dtype(policy.compute_dtype).itemsize
   reduce_scatter = backend.reduce_scatter
   out = []
+  frozen = {path_of(p) for p, f in _flat(abstract.frozen or {}) if f}
   for path, leaf in _flat(abstract.state.params):
     key = path_of(path)
     n, shape, label = names[key], leaf.shape, ".".join(key)
@@ -118,11 +124,12 @@ def param_transfers(abstract, rules: rules_lib.Rules, mesh, policy, microbatches
     # does not. A tied table gets two (the lookup's and the head's); XLA sums them before
     # reducing when they reduce alike onto a finer sharding than they are computed in
     # (ZeRO-2, fsdp_tp), else reduces each on its own (dp, tp).
+    trains = key not in frozen  # a frozen param has no gradient and no update
     grads = []
-    if table:
+    if table and trains:
       grads.append((batch - w_axes, elems // _shards(w_axes, mesh)) if local else
                    (batch - c_axes, c_elems))
-    if not table or tied:
+    if trains and (not table or tied):
       grads.append((batch - c_axes, c_elems))
     if len(grads) == 2 and grads[0][0] == grads[1][0] and (g_axes - c_axes) & batch:
       grads = grads[1:]
@@ -131,7 +138,7 @@ def param_transfers(abstract, rules: rules_lib.Rules, mesh, policy, microbatches
         out.extend(_reduction(reduce, g_axes, g_elems * wire * microbatches, mesh,
                               reduce_scatter, f"{label} grad"))
     regather = tuple(sorted(a for a in o_axes - p_axes if mesh.shape[a] > 1))
-    if regather:
+    if regather and trains:
       out.append(Transfer("all-gather", elems // _shards(p_axes, mesh) * pbytes, regather,
                           f"{label} after the update"))
   return out
@@ -166,7 +173,7 @@ def context_transfers(m, a: ActivationShapes, rules: rules_lib.Rules, mesh, p: i
   if c == 1 or not axes:
     return []
   kv, meta = 2 * a.kv * p, 2 * a.positions * 4
-  forwards = 2 if remat == "full" else 1
+  forwards = 2 if remat in RECOMPUTE_ALL else 1
   per = m.n_layers * microbatches
   if a.ring:
     out = [Transfer("collective-permute",
@@ -191,7 +198,7 @@ def activation_transfers(m, a: ActivationShapes, rules: rules_lib.Rules, mesh,
   # Forward: after o-proj and down-proj. Backward: XLA reduces each projection's input
   # gradient on its own (q, k, v; gate, up) rather than summing them first. Full remat
   # repeats the o-proj one (the layer's output itself is not needed again).
-  per_layer = 2 + 5 + (1 if remat == "full" else 0)
+  per_layer = 2 + 5 + (1 if remat in RECOMPUTE_ALL else 0)
   out += [Transfer("all-reduce", m.n_layers * per_layer * a.d * p * microbatches, tensor,
                   "attention/MLP outputs and input grads")]
   vocab = tuple(sorted(a_ for a_ in rules_lib._axes(rules.activations.get("vocab"))
@@ -228,7 +235,7 @@ def hardware_flops_per_token(m, seq_len: int, remat: str) -> float:
   attention's 4·H·E·seq); save-matmul-outputs repeats only attention's batched einsums."""
   flops = m.flops_per_token(seq_len)
   attention_fwd = 4 * m.n_layers * m.n_heads * m.head_dim * seq_len
-  if remat == "full":
+  if remat in RECOMPUTE_ALL:
     flops += 2 * m.n_layer_params + attention_fwd
   elif remat == "save-matmul-outputs":
     flops += attention_fwd

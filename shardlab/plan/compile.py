@@ -29,7 +29,7 @@ def inline_mesh(spec: mesh_lib.MeshSpec) -> str:
 def run_config(req: plan_lib.Request, spec: mesh_lib.MeshSpec) -> config_lib.Config:
   model = registry.load(req.model)
   return config_lib.Config(model=model, mesh=inline_mesh(spec), strategy=req.strategy,
-                           train=plan_lib.train_config(req), rules=req.rules)
+                           train=plan_lib.train_config(req), rules=req.rules, lora=req.lora)
 
 
 def _spec(req: plan_lib.Request) -> mesh_lib.MeshSpec:

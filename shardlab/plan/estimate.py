@@ -17,6 +17,7 @@ from shardlab.sharding import mesh as mesh_lib
 from shardlab.training import precision as precision_lib
 from shardlab.plan import comm as plan_comm
 from shardlab.plan import memory as plan_memory
+from shardlab.plan import state_bytes
 from shardlab.sharding import rules as rules_lib
 from shardlab.errors import ConfigError
 from shardlab.training import run as run_lib
@@ -42,6 +43,8 @@ class Request:
   devices: int | None = None
   target: str = "h100-80g"
   rules: dict = dataclasses.field(default_factory=dict)
+  offload: str = "none"  # train.offload: "opt_state" keeps the state in host memory
+  lora: config_lib.LoraConfig = config_lib.LoraConfig()  # rank 0: every param trains
 
   def __post_init__(self):
     if self.devices is not None and self.devices < 1:
@@ -70,6 +73,8 @@ class Estimate:
   mfu_ceiling: float  # the roofline's: every term at 100% of peak (no run reaches it)
   efficiency: float  # the fraction of peak compute_s assumes (hardware.Accelerator)
   tokens_per_s: float
+  host_transfer_bytes: float  # host↔device per device per step (offload), both ways
+  host_s: float  # their time at the target's host link bandwidth
   accounting: dict  # category -> {"bytes_per_param", "divided_by"} (ZeRO's table)
 
   @property
@@ -86,12 +91,12 @@ def train_config(req: Request) -> config_lib.TrainConfig:
   return config_lib.TrainConfig(global_batch=req.global_batch, seq_len=req.seq_len,
                                 microbatches=req.microbatches, optimizer=req.optimizer,
                                 precision=policy, remat=req.remat,
-                                grad_dtype=req.grad_dtype)
+                                grad_dtype=req.grad_dtype, offload=req.offload)
 
 
 def run_config(req: Request, model, mesh: str = "cpu-8"):
   return config_lib.Config(model=model, mesh=mesh, strategy=req.strategy,
-                           train=train_config(req), rules=req.rules)
+                           train=train_config(req), rules=req.rules, lora=req.lora)
 
 
 def abstract_mesh(spec: mesh_lib.MeshSpec) -> AbstractMesh:
@@ -100,8 +105,8 @@ def abstract_mesh(spec: mesh_lib.MeshSpec) -> AbstractMesh:
 
 
 @functools.lru_cache(maxsize=8)
-def _abstract(model, train: config_lib.TrainConfig):
-  return run_lib.abstract_state(config_lib.Config(model=model, train=train))
+def _abstract(model, train: config_lib.TrainConfig, lora: config_lib.LoraConfig):
+  return run_lib.abstract_state(config_lib.Config(model=model, train=train, lora=lora))
 
 
 def split_ici_dcn(shape: dict, ici_domain: int) -> mesh_lib.MeshSpec:
@@ -159,33 +164,34 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
   step_lib.check_batch(train.global_batch, train.microbatches,
                        types.SimpleNamespace(rules=rules, mesh=mesh))
   # The state's shapes do not depend on the sequence: one abstract state for every length.
-  abstract = _abstract(model, dataclasses.replace(train, seq_len=1, loss_chunk=0))
+  abstract = _abstract(model, dataclasses.replace(train, seq_len=1, loss_chunk=0), req.lora)
   sh = state_lib.shardings(abstract, rules, mesh)
-
   p = jnp.dtype(policy.compute_dtype).itemsize
   be = plan_comm.BACKENDS[backend or acc.kind]
   grad_dtype = precision_lib.gradient_dtype(policy, train.grad_dtype)
-  state = plan_memory.model_state(abstract, sh, policy, train.microbatches, grad_dtype)
+  state = state_bytes.model_state(abstract, sh, policy, train.microbatches, grad_dtype,
+                                  train.offload)
   gathered, head_gathered = _gathered_bytes(abstract, rules, mesh, p)
   acts, batch_bytes, shapes = plan_memory.activation_memory(model, train, p, rules.activations,
                                                             mesh, head_gathered, be.name)
-  memory = plan_memory.Memory(activations=acts, gathered=gathered, batch=batch_bytes, **state)
-
+  offloaded_acts = plan_memory.offloaded_activation_bytes(model, shapes, p, train.remat)
+  memory = plan_memory.Memory(activations=acts, gathered=gathered, batch=batch_bytes,
+                              **dict(state, host=state["host"] + offloaded_acts))
   transfers = (plan_comm.param_transfers(abstract, rules, mesh, policy,
                                          train.microbatches, model.tie_embeddings, be) +
                plan_comm.activation_transfers(model, shapes, rules, mesh,
                                               p if be.compute_dtype_collectives else 4,
                                               train.remat, train.microbatches))
-  tensor_shards = math.prod(mesh.shape[a] for a in rules_lib._axes(
-      rules.activations.get("heads")) if a in mesh.shape)
-  token_shards = math.prod(mesh.shape[a] for a in rules.token_axes if a in mesh.shape)
-  tokens_per_device = req.global_batch * req.seq_len / token_shards / tensor_shards
-  flops = plan_comm.hardware_flops_per_token(model, req.seq_len, req.remat) * tokens_per_device
+  tokens_per_device = _tokens_per_device(req, rules, mesh)
+  flops = (plan_comm.hardware_flops_per_token(model, req.seq_len, req.remat) -
+           _frozen_weight_grad_flops(model, req.lora)) * tokens_per_device
   model_flops = model.flops_per_token(req.seq_len) * tokens_per_device
   compute_s = flops / (acc.peak_flops * acc.efficiency)  # no step runs at peak
   memory_s = _hbm_traffic(memory, shapes, model, train, p) / acc.hbm_bw
   comm_s = sum(plan_comm.transfer_time(t, spec, acc) for t in transfers)
-  terms = {"compute": compute_s, "memory": memory_s, "communication": comm_s}
+  host_bytes = 2 * (state["host"] + offloaded_acts * train.microbatches)  # both ways
+  terms = {"compute": compute_s, "memory": memory_s, "communication": comm_s,
+           "host transfers": host_bytes / acc.host_bw}
   binding = max(terms, key=terms.get)
   step_s = terms[binding]
   ceiling_s = max(flops / acc.peak_flops, memory_s, comm_s)
@@ -198,8 +204,27 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
       mfu=model_flops / (step_s * acc.peak_flops),
       mfu_ceiling=model_flops / (ceiling_s * acc.peak_flops), efficiency=acc.efficiency,
       tokens_per_s=req.global_batch * req.seq_len / step_s,
-      accounting=plan_memory.state_accounting(abstract, state, policy, train.microbatches,
+      host_transfer_bytes=host_bytes, host_s=terms["host transfers"],
+      accounting=state_bytes.state_accounting(abstract, sh, state, policy, train.microbatches,
                                               grad_dtype))
+
+
+def _tokens_per_device(req: Request, rules: rules_lib.Rules, mesh) -> float:
+  """Tokens each device computes on per step: split over the token axes, and each token's
+  heads over the tensor axes."""
+  tensor_shards = math.prod(mesh.shape[a] for a in rules_lib._axes(
+      rules.activations.get("heads")) if a in mesh.shape)
+  token_shards = math.prod(mesh.shape[a] for a in rules.token_axes if a in mesh.shape)
+  return req.global_batch * req.seq_len / token_shards / tensor_shards
+
+
+def _frozen_weight_grad_flops(model, lora: config_lib.LoraConfig) -> float:
+  """Per token: the weight-gradient matmuls (2 FLOPs a parameter) a LoRA run skips for its
+  frozen base, less the adapters' own training FLOPs (6 a parameter)."""
+  if not lora.rank:
+    return 0.0
+  lookup = 0 if model.tie_embeddings else model.vocab_size * model.d_model
+  return 2 * (model.n_params - lookup) - 6 * model.n_lora_params(lora)
 
 
 def _gathered_bytes(abstract, rules, mesh, p: int) -> tuple[float, float]:
@@ -238,25 +263,3 @@ def _hbm_traffic(memory: plan_memory.Memory, a, model, train, p: int) -> float:
   acts = 2 * (memory.activations + a.logits * 4 * 2) * train.microbatches
   update = 2 * (memory.state + memory.grads)
   return reads + acts + update
-
-
-def thresholds(model, acc: hardware.Accelerator, p: int, grad_bytes: int) -> dict:
-  """When data/FSDP parallelism stays compute-bound, and how far tensor parallelism goes.
-
-  Per token a device spends 6·N FLOPs. DP all-reduces N gradients (2·N·g bytes of ring
-  traffic per step); FSDP gathers the weights twice and reduce-scatters the gradients
-  (N·(2p + g) bytes). Compute-bound when the per-device tokens T satisfy
-    DP:   6·N·T / peak >= 2·N·g / bw   =>  T >= peak·g / (3·bw)
-    FSDP: 6·N·T / peak >= N·(2p + g) / bw  =>  T >= peak·(2p + g) / (6·bw)
-  TP all-reduces B×L×D four times per layer (2·(t-1)/t of it on the wire) against
-  6·N_layer/t FLOPs per token, so it is compute-bound while
-    t <= 6·N_layer·bw / (8·D·p·peak)  (Megatron-style f/g all-reduces, ring).
-  """
-  layer = model.d_model * model.head_dim * 2 * (model.n_heads + model.n_kv_heads) + \
-      3 * model.d_model * model.mlp_dim
-  out = {}
-  for where, bw in (("ici", acc.ici_bw), ("dcn", acc.dcn_bw)):
-    out[f"dp_tokens_per_device_{where}"] = acc.peak_flops * grad_bytes / (3 * bw)
-    out[f"fsdp_tokens_per_device_{where}"] = acc.peak_flops * (2 * p + grad_bytes) / (6 * bw)
-  out["tp_max_degree_ici"] = 6 * layer * acc.ici_bw / (8 * model.d_model * p * acc.peak_flops)
-  return out

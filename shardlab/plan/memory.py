@@ -1,22 +1,8 @@
-"""Analytic memory per device: model state by ZeRO's accounting, activations after
-Korthikanti et al. 2022, both divided exactly as shardlab's rules shard them.
+"""Analytic memory per device: activations after Korthikanti et al. 2022, divided exactly as
+shardlab's rules shard them, and the shard arithmetic the model state's count shares.
 
-Model state (Rajbhandari et al. 2020, "ZeRO"): with Ψ parameters, mixed-precision Adam keeps
-2Ψ bytes of 16-bit params, 2Ψ of grads and 12Ψ of fp32 master weights + two moments. DP
-replicates all of it; ZeRO-1 shards the 12Ψ over the N data-parallel devices; ZeRO-2 also the
-grads; ZeRO-3 (FSDP) everything. The planner does not use that formula: it asks
-`state.shardings` (the same function the train step uses) for every leaf's spec on an
-abstract mesh and sums the shard sizes, so it says what the code does (docs/planning.md has
-the table per strategy and policy).
-
-How shardlab's precision policies map onto ZeRO's categories:
-  fp32         params = the fp32 weights forward reads; master = the stored weights only
-               where they are sharded finer than that (zero1/zero2).
-  bf16         params = the bf16 working copy (alive through forward and backward);
-               master = the stored fp32 weights.
-  bf16-params  params = the bf16 weights; optimizer state in bf16.
-Gradients are in train.grad_dtype (the stored weights' dtype by default) and the strategy's
-gradient sharding.
+Model state (weights, gradients, optimizer state; host bytes under offload) is
+shardlab.plan.state_bytes's.
 
 Activations: what autodiff saves per layer (Korthikanti's per-layer accounting, with the
 tensors each bundled model's config lists: RMSNorm or LayerNorm, grouped-query K/V, SwiGLU or
@@ -52,12 +38,17 @@ class Memory:
   activations: float  # saved for backward, plus the peak transient of the step
   gathered: float  # weights all-gathered for compute (FSDP), live at once
   batch: float  # the token batch itself
+  # Host memory per device, not in `total`: the stored weights and optimizer state under
+  # train.offload=opt_state, the layer inputs under remat "offload".
+  host: float = 0.0
+  # The stored weights on the device (each is `params` or `master`, so not in `total`).
+  stored: float = 0.0
 
   @property
   def state(self) -> float:
-    """What the train state holds between steps (the stored weights and optimizer state)."""
-    stored = self.master if self.master else self.params
-    return stored + self.opt_state
+    """What the train state holds on the device between steps (the stored weights and the
+    optimizer state)."""
+    return self.stored + self.opt_state
 
   @property
   def total(self) -> float:
@@ -97,39 +88,6 @@ def tree_shard_bytes(abstract_tree, sharding_tree, dtype=None) -> float:
       lambda a, s: math.prod(s.shard_shape(a.shape)) * itemsize(dtype or a.dtype),
       abstract_tree, sharding_tree))
   return float(sum(leaves))
-
-
-def model_state(abstract, sh, policy, microbatches: int, grad_dtype) -> dict[str, float]:
-  """Exact per-device bytes of params / grads / master / opt_state from the shardings.
-
-  params: the working copy forward and backward read (compute dtype, where the strategy
-  keeps it: whole for dp/zero1/zero2). master: the stored weights when they are not that
-  copy (another dtype, or sharded while the copy is whole). grads: in `grad_dtype`, where
-  the strategy reduces them, plus an fp32 accumulator with microbatches."""
-  params_abs = abstract.state.params
-  stored = tree_shard_bytes(params_abs, sh.state.params)
-  working = tree_shard_bytes(params_abs, sh.working, policy.compute_dtype)
-  opt = tree_shard_bytes(abstract.state.opt_state, sh.state.opt_state)
-  grads = tree_shard_bytes(params_abs, sh.grads, grad_dtype)
-  if microbatches > 1:
-    grads += tree_shard_bytes(params_abs, sh.grads, jnp.float32)
-  separate = (jnp.dtype(policy.compute_dtype) != jnp.dtype(policy.param_dtype) or
-              sh.rules.working is not None)
-  return dict(params=working, master=stored if separate else 0.0, grads=grads, opt_state=opt)
-
-
-def state_accounting(abstract, state: dict, policy, microbatches: int,
-                     grad_dtype) -> dict[str, dict]:
-  """Per category: bytes per parameter unsharded, and into how many pieces the strategy
-  divides them on this mesh (1: whole on every device) — ZeRO's table, for this run."""
-  n = sum(math.prod(a.shape) for a in jax.tree.leaves(abstract.state.params))
-  opt = sum(math.prod(a.shape) * itemsize(a.dtype)
-            for a in jax.tree.leaves(abstract.state.opt_state))
-  whole = {"params": n * itemsize(policy.compute_dtype),
-           "grads": n * (itemsize(grad_dtype) + (4 if microbatches > 1 else 0)),
-           "master": n * itemsize(policy.param_dtype), "opt_state": opt}
-  return {k: {"bytes_per_param": whole[k] / n, "divided_by": round(whole[k] / state[k], 2)}
-          for k in whole if state[k]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,12 +167,15 @@ def layer_saved_bytes(a: ActivationShapes, p: int, remat: str, m=None) -> float:
     read off jax.ad_checkpoint.print_saved_residuals). In the bf16 policy the softmax keeps
     its fp32 exp and the bf16 probabilities (6 bytes a score, 8 in fp32); the masked scores
     are not kept (the mask alone is, once for all layers).
-  full: only the layer input (the scan carry).
+  full: only the layer input (the scan carry). offload: nothing on the device (the input
+    is kept in host memory; `offloaded_activation_bytes`).
   save-matmul-outputs: the layer input plus the weight-matmul outputs the backward pass reads
     (`saved_matmul_outputs`); norms, activations and attention's einsums are recomputed.
   """
   if remat == "full":
     return a.d * p
+  if remat == "offload":  # the layer input too goes to the host
+    return 0.0
   if remat == "save-matmul-outputs":
     outs = getattr(m, "saved_matmul_outputs", MATMUL_OUTPUTS)
     return a.d * p + sum(getattr(a, k) * n * p for k, n in outs.items())
@@ -252,6 +213,11 @@ def _attention_backward(a: ActivationShapes, p: int) -> float:
     return a.scores * 4 * RING_TILES + a.q * 4 + 2 * 2 * a.kv * (p + 4)
   gathered = 2 * a.kv * a.context * (p + 4) if a.context > 1 else 0.0
   return a.scores * 4 * FLASH_TILES + a.q * 4 + gathered
+
+
+def offloaded_activation_bytes(m, a: ActivationShapes, p: int, remat: str) -> float:
+  """Host bytes per device that remat "offload" keeps: every layer's input."""
+  return m.n_layers * a.d * p if remat == "offload" else 0.0
 
 
 def loss_transients(a: ActivationShapes, p: int) -> tuple[float, float]:

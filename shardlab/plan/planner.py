@@ -18,7 +18,8 @@ from shardlab.errors import ConfigError
 from shardlab.models import registry
 from shardlab.plan.estimate import (MAX_DEVICES, STRATEGIES, Estimate, Request, abstract_mesh,
                                     default_shape, estimate, resolve_mesh, run_config,
-                                    split_ici_dcn, thresholds, train_config)
+                                    split_ici_dcn, train_config)
+from shardlab.plan.scaling import thresholds
 from shardlab.plan.search import factorizations, min_devices, search
 from shardlab.runtime import hardware
 from shardlab.training import precision as precision_lib

@@ -11,6 +11,7 @@ Conventions (so every entry means the same thing):
   dcn_bw      bandwidth per device across nodes/slices, one direction (bytes/s): the node's
               NICs (InfiniBand for GPUs, the host's data-centre network for TPUs) divided by
               its devices;
+  host_bw     device ↔ host memory per device, one direction (bytes/s): PCIe;
   ici_domain  how many devices share the fast domain: a GPU node (8), a TPU slice's largest
               single-slice size. Mesh axes beyond it must cross DCN;
   efficiency  the fraction of peak_flops a well-tuned large training run achieves on the FLOPs
@@ -41,6 +42,10 @@ class Accelerator:
   topology: str | None = None  # jax.experimental.topologies name prefix ("v5e"), TPUs only
   efficiency: float = 0.5  # achievable fraction of peak_flops (see the module docstring)
   efficiency_source: str = "assumption"
+  # Host memory link per device, one direction (bytes/s): what offloaded state and
+  # activations cross each step. PCIe 4.0 x16 (32 GB/s) unless an entry says otherwise;
+  # TPU hosts publish no per-chip figure, so theirs is that assumption.
+  host_bw: float = 32 * 10**9
 
   @property
   def usable_bytes(self) -> float:
@@ -71,14 +76,22 @@ ACCELERATORS = {a.name: a for a in (
     # Table 4: 38-43% BF16 MFU for Llama 3 405B on 8,192-16,384 H100s (430 and 400 TFLOP/s
     # per GPU); 0.40 sits in that range. H100s reach a smaller fraction of their (3× higher)
     # peak than A100s: memory, network and non-matmul work did not speed up as much.
+    # Host link: PCIe 5.0 x16, 64 GB/s each way (H100 and H200 SXM).
     Accelerator("h100-80g", 989e12, 81559 * 2**20, 3350 * GB, 450 * GB, 50 * GB, 8, 1 * GiB,
-                "gpu", efficiency=0.40, efficiency_source=_LLAMA3),
+                "gpu", efficiency=0.40, efficiency_source=_LLAMA3, host_bw=64 * GB),
     # NVIDIA H200 SXM datasheet: same compute and NVLink as H100, 141 GB HBM3e at 4.8 TB/s.
     # nvidia-smi: 143771 MiB. Efficiency: no published training MFU found; H100's figure is
     # assumed (same tensor cores and clocks; more bandwidth speeds memory-bound work only).
     Accelerator("h200", 989e12, 143771 * 2**20, 4800 * GB, 450 * GB, 50 * GB, 8, 1 * GiB, "gpu",
                 efficiency=0.40, efficiency_source="assumption: the H100 figure (Llama 3 "
-                "paper, 38-43% MFU); same tensor cores"),
+                "paper, 38-43% MFU); same tensor cores", host_bw=64 * GB),
+    # NVIDIA L4 datasheet: 242 TFLOP/s bf16 with sparsity = 121 dense, 24 GB GDDR6 at
+    # 300 GB/s, PCIe 4.0 x16 and no NVLink: devices talk over PCIe (32 GB/s each way).
+    # nvidia-smi: 23034 MiB. Up to 8 per node (GCP g2-standard-96, 100 Gb/s per node =
+    # 1.56 GB/s per GPU). Efficiency: no published training MFU; the H100 figure is assumed.
+    Accelerator("l4-24g", 121e12, 23034 * 2**20, 300 * GB, 32 * GB, 1.5625 * GB, 8, 1 * GiB,
+                "gpu", efficiency=0.40,
+                efficiency_source="assumption: the H100 figure (Llama 3 paper, 38-43% MFU)"),
     # Cloud TPU v4 docs: 275 TFLOP/s bf16, 32 GiB HBM2 at 1,200 GB/s, 2,400 Gbps ICI
     # (300 GB/s bidirectional), 4,096-chip pods, 4 chips per host. DCN per chip is not
     # published; 50 Gbps (6.25 GB/s) as for v5p is assumed. Efficiency: PaLM (Chowdhery et
