@@ -109,13 +109,16 @@ def run(layer, stacked, x_BxLxD, args: tuple, where, microbatches: int, repeats:
 
   def local(groups, x, leaves):
     out = _schedule(layer, groups, x, leaves, rows, treedef, axis, n_stages, repeats)
-    return out[None]
+    # The last stage's output, on every stage (for the head): one all-reduce forward; its
+    # gradient needs none (each stage's share of the cotangent is the whole of it).
+    last = jax.lax.axis_index(axis) == n_stages - 1
+    return jax.lax.psum(jnp.where(last, out, jnp.zeros_like(out)), axis)
 
   in_specs = (jax.tree.map(lambda _: PartitionSpec(None, axis), groups), PartitionSpec(),
               [PartitionSpec()] * len(leaves))
-  out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(axis),
+  out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(),
                       axis_names={axis})(groups, x_MxbxLxD, leaves)
-  return _merge(out[n_stages - 1])
+  return _merge(out)
 
 
 def _schedule(layer, groups, x_MxbxLxD, leaves, rows, treedef, axis, n_stages, repeats):
@@ -123,6 +126,9 @@ def _schedule(layer, groups, x_MxbxLxD, leaves, rows, treedef, axis, n_stages, r
   meaningful on the last stage."""
   n_micro = x_MxbxLxD.shape[0]
   stage = jax.lax.axis_index(axis)
+  # Varying over stages from here on: the input's gradient is then summed over `stage` once,
+  # not once per iteration of the loop.
+  x_MxbxLxD = jax.lax.pcast(x_MxbxLxD, (axis,), to="varying")
   groups = jax.tree.map(lambda p: p[:, 0], groups)  # R×K×… : this stage's groups
   total = repeats * n_micro
   ring = [(i, (i + 1) % n_stages) for i in range(n_stages)]
@@ -152,7 +158,7 @@ def _schedule(layer, groups, x_MxbxLxD, leaves, rows, treedef, axis, n_stages, r
     out = _put(out, m, jnp.where(last, y, _get(out, m)))
     return (jax.lax.ppermute(y, axis, ring), loop, out), None
 
-  zeros = jax.lax.pcast(jnp.zeros_like(x_MxbxLxD), (axis,), to="varying")  # per stage
+  zeros = jnp.zeros_like(x_MxbxLxD)
   carry = (zeros[0], zeros, zeros)
   steps = jnp.arange(total + n_stages - 1)
   return jax.lax.scan(iteration, carry, steps)[0][2]

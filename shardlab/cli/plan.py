@@ -76,7 +76,7 @@ def plan_parser(prog: str = "shardlab plan") -> argparse.ArgumentParser:
   return p
 
 
-PLAN_OVERRIDES = ("rules.", "train.offload=", "lora.")
+PLAN_OVERRIDES = ("rules.", "train.offload=", "lora.", "train.pipeline_repeats=")
 
 
 def request_from_args(args):
@@ -94,7 +94,7 @@ def request_from_args(args):
       global_batch=args.global_batch, seq_len=args.seq_len, remat=args.remat,
       microbatches=args.microbatches, strategy=args.strategy, mesh=args.mesh,
       devices=args.devices, target=target, rules=cfg.rules, offload=cfg.train.offload,
-      lora=cfg.lora)
+      lora=cfg.lora, pipeline_repeats=cfg.train.pipeline_repeats)
 
 
 def plan_main(argv=None, prog: str = "shardlab plan") -> int:
@@ -264,7 +264,8 @@ def _time_lines(result) -> list[str]:
       *([f"  host    {e.host_s * 1e3:10.1f} ms   (offload traffic at "
          f"{acc.host_bw / 1e9:.0f} GB/s each way)"] if e.host_transfer_bytes else []),
       f"  step    {e.step_s * 1e3:10.1f} ms   bound by {e.binding}; "
-      f"{e.tokens_per_s:,.0f} tokens/s",
+      f"{e.tokens_per_s:,.0f} tokens/s" + (f"; pipeline {e.pipeline.schedule}, bubble "
+                                             f"{e.pipeline.bubble:.1%}" if e.pipeline else ""),
       f"  MFU     {e.mfu:10.1%} predicted (assumes {e.efficiency:.0%} of peak on {acc.name}: "
       f"{acc.efficiency_source}); roofline ceiling {e.mfu_ceiling:.1%}", ""]
 

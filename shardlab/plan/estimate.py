@@ -17,6 +17,7 @@ from shardlab.sharding import mesh as mesh_lib
 from shardlab.training import precision as precision_lib
 from shardlab.plan import comm as plan_comm
 from shardlab.plan import memory as plan_memory
+from shardlab.plan import pipeline as plan_pipeline
 from shardlab.plan import state_bytes
 from shardlab.sharding import rules as rules_lib
 from shardlab.errors import ConfigError
@@ -38,6 +39,7 @@ class Request:
   seq_len: int = 2048
   remat: str = "full"
   microbatches: int = 1
+  pipeline_repeats: int = 1
   strategy: str = "fsdp"
   mesh: str | None = None  # preset, file or inline; None: built from `devices`
   devices: int | None = None
@@ -76,6 +78,7 @@ class Estimate:
   host_transfer_bytes: float  # host↔device per device per step (offload), both ways
   host_s: float  # their time at the target's host link bandwidth
   accounting: dict  # category -> {"bytes_per_param", "divided_by"} (ZeRO's table)
+  pipeline: object = None  # plan.pipeline.Pipeline when the rules split layers over stage
 
   @property
   def fits(self) -> bool:
@@ -91,7 +94,8 @@ def train_config(req: Request) -> config_lib.TrainConfig:
   return config_lib.TrainConfig(global_batch=req.global_batch, seq_len=req.seq_len,
                                 microbatches=req.microbatches, optimizer=req.optimizer,
                                 precision=policy, remat=req.remat,
-                                grad_dtype=req.grad_dtype, offload=req.offload)
+                                grad_dtype=req.grad_dtype, offload=req.offload,
+                                pipeline_repeats=req.pipeline_repeats)
 
 
 def run_config(req: Request, model, mesh: str = "cpu-8"):
@@ -113,7 +117,7 @@ def split_ici_dcn(shape: dict, ici_domain: int) -> mesh_lib.MeshSpec:
   """Puts the innermost axes (tensor first) on the fast domain until it is full; the rest of
   each axis crosses DCN."""
   ici, dcn, room = {}, {}, ici_domain
-  for axis in reversed(mesh_lib.AXES):
+  for axis in [a for a in reversed(mesh_lib.AXES) if a != "stage"] + ["stage"]:  # stage: DCN
     size = shape.get(axis, 1)
     inner = math.gcd(size, room)
     room //= inner
@@ -188,6 +192,8 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
   model_flops = model.flops_per_token(req.seq_len) * tokens_per_device
   compute_s = flops / (acc.peak_flops * acc.efficiency)  # no step runs at peak
   memory_s = _hbm_traffic(memory, shapes, model, train, p) / acc.hbm_bw
+  memory, transfers, compute_s, pipe = plan_pipeline.fold(
+      model, train, rules, mesh, p, abstract, sh, be.name, memory, transfers, compute_s)
   comm_s = sum(plan_comm.transfer_time(t, spec, acc) for t in transfers)
   host_bytes = 2 * (state["host"] + offloaded_acts * train.microbatches)  # both ways
   terms = {"compute": compute_s, "memory": memory_s, "communication": comm_s,
@@ -206,7 +212,7 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
       tokens_per_s=req.global_batch * req.seq_len / step_s,
       host_transfer_bytes=host_bytes, host_s=terms["host transfers"],
       accounting=state_bytes.state_accounting(abstract, sh, state, policy, train.microbatches,
-                                              grad_dtype))
+                                              grad_dtype), pipeline=pipe)
 
 
 def _tokens_per_device(req: Request, rules: rules_lib.Rules, mesh) -> float:
@@ -215,7 +221,8 @@ def _tokens_per_device(req: Request, rules: rules_lib.Rules, mesh) -> float:
   tensor_shards = math.prod(mesh.shape[a] for a in rules_lib._axes(
       rules.activations.get("heads")) if a in mesh.shape)
   token_shards = math.prod(mesh.shape[a] for a in rules.token_axes if a in mesh.shape)
-  return req.global_batch * req.seq_len / token_shards / tensor_shards
+  stages = rules_lib.pipeline_stages(rules, mesh)  # each stage runs 1/stages of the layers
+  return req.global_batch * req.seq_len / token_shards / tensor_shards / stages
 
 
 def _frozen_weight_grad_flops(model, lora: config_lib.LoraConfig) -> float:

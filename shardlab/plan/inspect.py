@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec
 from shardlab.sharding import rules as rules_lib
 from shardlab.config import Config
 from shardlab.errors import ConfigError
+from shardlab.training import schedule
 from shardlab.training.state import Abstract, Shardings
 
 WARN_FRACTION = 0.01  # a replicated parameter above this share of the model is reported
@@ -116,8 +117,9 @@ def activation_rows(cfg: Config, abstract: Abstract, sh: Shardings) -> tuple[lis
 
 def replication_warnings(rows: list[Row], sh: Shardings) -> list[str]:
   """Large parameters left whole on every device by a strategy that shards parameters."""
-  if not any(v for v in sh.rules.params.values()):
-    return []  # dp / zero1 / zero2 replicate parameters by design
+  if not any(sh.mesh.shape.get(a, 1) > 1 for v in sh.rules.params.values()
+             for a in rules_lib._axes(v)):
+    return []  # dp / zero1 / zero2 replicate parameters by design (but for pipeline stages)
   total = sum(r.size for r in rows)
   replicated = [r for r in rows if r.replicated]
   out = [f"param {r.path} {r.shape} ({r.size / total:.1%} of the parameters) is replicated "
@@ -191,6 +193,8 @@ def render(cfg: Config, lay: Layout, sh: Shardings, activations: bool = False) -
            f"{cfg.strategy}   mesh {mesh} ({math.prod(sh.mesh.shape.values())} devices)   "
            f"optimizer {cfg.train.optimizer}", ""]
   lines += _state_lines(lay)
+  lines += schedule.lines(getattr(cfg.model, "n_layers", None), sh.rules, sh.mesh,
+                          cfg.train.microbatches, cfg.train.pipeline_repeats)
   if activations:
     micro = cfg.train.global_batch // cfg.train.microbatches
     lines += ["", f"activations (one microbatch of {micro} × {cfg.train.seq_len} tokens; the "

@@ -85,6 +85,15 @@ def placement(rules: rules_lib.Rules, spec: mesh_lib.MeshSpec, dims: dict) -> tu
   return tuple(out)
 
 
+def staged(n: int, seq_len: int | None, dims: dict, acc) -> list[dict]:
+  """Pipeline shapes for a multi-node target: a `stage` axis across nodes (it divides the
+  node count and the layers; tensor and the rest stay inside), beside every factorization of
+  what is left."""
+  nodes = n // acc.ici_domain if n % acc.ici_domain == 0 else 1
+  stages = [s for s in divisors(nodes) if s > 1 and dims.get("layers", 0) % s == 0]
+  return [{"stage": s, **shape} for s in stages for shape in factorizations(n // s, seq_len)]
+
+
 def _rank(e: Estimate) -> tuple:
   """Fastest first; among equal step times (compute-bound), less communication, then less
   memory."""
@@ -106,7 +115,7 @@ def search(req: Request, model, acc, n: int,
   dims = _dims(req, model, req.microbatches)
   for strategy in strategies:
     rules = rules_lib.strategy(strategy, req.rules)
-    for shape in factorizations(n, req.seq_len):
+    for shape in factorizations(n, req.seq_len) + staged(n, req.seq_len, dims, acc):
       spec = split_ici_dcn(shape, acc.ici_domain)
       key = placement(rules, spec, dims)
       e = None if key is None else _try(req, model, acc, spec, strategy)

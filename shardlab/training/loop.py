@@ -12,7 +12,7 @@ from shardlab.observe import plots, profiling, step_report, throughput
 from shardlab.observe.progress import Activity, Progress
 from shardlab.runtime import distributed
 from shardlab.sharding import mesh as mesh_lib
-from shardlab.training import checkpoint
+from shardlab.training import checkpoint, schedule
 from shardlab.training.preemption import StopRequest
 from shardlab.training.reporting import Logger, RunPaths, run_paths
 from shardlab.training.run import NonFiniteGuard, Run, completed, init, last_good
@@ -34,6 +34,8 @@ def describe(run: Run) -> str:
       f"{cfg.train.optimizer}   remat {cfg.train.remat}",
       f"batch    {cfg.train.global_batch} × {cfg.train.seq_len} tokens, "
       f"{cfg.train.microbatches} microbatch(es), {cfg.train.steps} steps",
+      *schedule.lines(getattr(m, "n_layers", None), run.shardings.rules, run.mesh,
+                      cfg.train.microbatches, cfg.train.pipeline_repeats),
       f"data     {run.feed.describe()}",
   ])
 
