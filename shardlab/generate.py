@@ -6,8 +6,10 @@ are jitted with shardings from the rules that train the model: parameters as in 
 cache by `rules.spec` over the activation table (its batch axis follows the rule for `batch`,
 its kv_heads the rule for `kv_heads`: tensor under tp). The batch is padded to a multiple of
 the batch shards, so one sample can be drawn on any mesh. The sample at position t uses the
-key fold_in(seed, t), so cached and uncached decoding draw the same tokens. Tokens are bytes
-(the data is byte-level); text is decoded with errors="replace".
+key fold_in(seed, t), so cached and uncached decoding draw the same tokens. With
+`Sampling.eos_ids` the decode loop ends once every row has drawn one (checked on the host every
+STOP_CHECK_EVERY steps); a row's tokens after its first EOS repeat that EOS. Text in and out
+goes through the run's tokenizer (cli/text.py).
 """
 
 import dataclasses
@@ -40,6 +42,7 @@ class Sampling:
   seed: int = 0
   num_samples: int = 1
   vocab: int = data.VOCAB  # ids 0..vocab-1 can be drawn: bytes, or a tokenizer's vocabulary
+  eos_ids: tuple[int, ...] = ()  # a row is done once it draws one; the loop ends when all are
 
   def __post_init__(self):
     for f in ("max_new_tokens", "num_samples"):
@@ -64,6 +67,31 @@ def sample(logits_BxV, key, temperature: float, top_k: int, vocab: int = data.VO
 
 
 PREFILL_CHUNK = 512  # tokens per prefill call (the planner's default too)
+STOP_CHECK_EVERY = 8  # decode steps between the host's looks for EOS (each waits for them)
+
+
+class EosStop:
+  """Whether every real row has drawn an EOS, from the tokens decoded so far."""
+
+  def __init__(self, eos_ids: tuple[int, ...], real: int, every: int = STOP_CHECK_EVERY):
+    self.eos, self.real, self.every = np.asarray(eos_ids, np.int32), real, every
+    self.done, self.checked = np.zeros(real, bool), 0
+
+  def all_done(self, out: list) -> bool:
+    if not self.eos.size or len(out) - self.checked < self.every:
+      return False
+    new = np.stack(jax.device_get(out[self.checked:]), axis=1)[:self.real]
+    self.done |= np.isin(new, self.eos).any(axis=1)
+    self.checked = len(out)
+    return bool(self.done.all())
+
+  def finish(self, tokens_RxN: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens with each row's first EOS repeated after it, tokens generated per row: up to
+    and including that EOS)."""
+    hit = np.isin(tokens_RxN, self.eos)
+    lengths = np.where(hit.any(axis=1), hit.argmax(axis=1) + 1, tokens_RxN.shape[1])
+    last = np.take_along_axis(tokens_RxN, lengths[:, None] - 1, axis=1)
+    return np.where(np.arange(tokens_RxN.shape[1]) >= lengths[:, None], last, tokens_RxN), lengths
 
 
 class Generator:
@@ -161,7 +189,7 @@ class Generator:
     return steps["decode"].lower(params, token, cache, jax.ShapeDtypeStruct((), jnp.int32))
 
   def tokens(self, params, prompt: np.ndarray, s: Sampling, use_cache: bool = True):
-    """num_samples × max_new_tokens int32 tokens following the 1-D `prompt`."""
+    """num_samples × ≤ max_new_tokens int32 tokens following the 1-D `prompt`."""
     prompt = np.asarray(prompt, np.int32).reshape(-1)
     if not use_cache:
       return self._uncached(params, prompt, s)
@@ -169,9 +197,9 @@ class Generator:
 
   def generate(self, params, prompts: list, s: Sampling,
                report: ServingReport | None = None) -> tuple[list[np.ndarray], ServingReport]:
-    """num_samples × max_new_tokens tokens for each 1-D prompt, and the run's report.
-    Prompts of one length share a batch (one prefill, one decode loop): the cache has one
-    write position for all its rows."""
+    """num_samples × ≤ max_new_tokens tokens (fewer once all drew an EOS) for each 1-D
+    prompt, and the run's report. Prompts of one length share a batch (one prefill, one
+    decode loop): the cache has one write position for all its rows."""
     prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
     params = jax.device_put(params, self.sh.on_device.params)  # a run's may be on the host
     report = report or ServingReport()
@@ -218,25 +246,25 @@ class Generator:
     report.compile_s += begin - start
     for step, chunk in zip(prefill, chunks):  # the last chunk's draw is the first token
       token, cache = step(params, chunk, cache, seed)
-    out = [jax.block_until_ready(token)]
+    out, stop = [jax.block_until_ready(token)], EosStop(s.eos_ids, real)
     decoding = time.perf_counter()
-    for _ in range(n - 1):
+    while len(out) < n and not stop.all_done(out):
       if self.sync_each_step:
         token.block_until_ready()
       token, cache = decode(params, token, cache, seed)
       out.append(token)
-    new = np.stack(jax.device_get(out), axis=1)
+    new, lengths = stop.finish(np.stack(jax.device_get(out), axis=1)[:real])
     report.prefill_s += decoding - begin
     report.decode_s += time.perf_counter() - decoding
     report.sequences, report.batches = report.sequences + real, report.batches + 1
     report.prefill_tokens += real * p
-    report.decode_tokens += real * (n - 1)
-    report.decode_steps += n - 1
+    report.decode_tokens += int(lengths.sum()) - real  # not those after a row's EOS
+    report.decode_steps += len(out) - 1
     report.measure(params, cache, decode, self.sh.mesh.devices.flat[0])
-    return new[:real]
+    return new
 
   def _uncached(self, params, prompt: np.ndarray, s: Sampling):
-    """The same tokens by a full forward pass per token (for checking the cache)."""
+    """The same tokens by a full forward pass per token (for checking; no stop at EOS)."""
     p, n = len(prompt), s.max_new_tokens
     self._check_length(p, n)
     rows = -(-s.num_samples // self.batch_shards) * self.batch_shards
@@ -249,32 +277,6 @@ class Generator:
         seq.block_until_ready()
       seq = steps["uncached"](params, seq, np.int32(position), seed)
     return np.asarray(jax.device_get(seq))[:s.num_samples, p:]
-
-  def text(self, params, prompt: str, s: Sampling, use_cache: bool = True) -> list[str]:
-    """num_samples continuations of `prompt` (UTF-8 bytes in, bytes decoded out)."""
-    return decode_bytes(self.tokens(params, prompt_bytes(prompt), s, use_cache))
-
-  def texts(self, params, prompts: list[str], s: Sampling) -> tuple[list[list[str]],
-                                                                   ServingReport]:
-    """num_samples continuations of each prompt, batched, and the run's report."""
-    tokens, report = self.generate(params, [prompt_bytes(p) for p in prompts], s)
-    return [decode_bytes(t) for t in tokens], report
-
-
-def decode_bytes(tokens_RxN) -> list[str]:
-  return [bytes(row.astype(np.uint8).tolist()).decode("utf-8", errors="replace")
-          for row in tokens_RxN]
-
-
-def prompt_bytes(prompt: str) -> np.ndarray:
-  """The prompt's UTF-8 bytes as tokens; text that is not UTF-8 (bytes a terminal passed
-  through undecoded) is refused, naming the first bad byte."""
-  try:
-    return np.frombuffer(prompt.encode("utf-8"), np.uint8)
-  except UnicodeEncodeError as e:
-    raw = prompt.encode("utf-8", "surrogateescape")
-    raise ConfigError(f"the prompt is not valid UTF-8 text: byte {raw[e.start]:#04x} at "
-                      f"position {e.start} ({raw[:40]!r}); give UTF-8 text") from None
 
 
 def from_checkpoint(directory: str, mesh: str | None = None, strategy: str | None = None,

@@ -13,10 +13,13 @@ from shardlab.training import checkpoint
 from shardlab import config
 from shardlab import generate
 from shardlab.cli import generate as generate_cli
+from shardlab.cli import text
 from shardlab.errors import ConfigError
 from shardlab.models import registry
+from shardlab.training import tokenizer
 
 PROMPT = np.array([100, 101, 102, 32, 120], np.int32)
+BYTES = tokenizer.ByteTokenizer()
 # One sampling setup (and prompt length) for most tests, so each strategy compiles it once.
 SAMPLING = generate.Sampling(max_new_tokens=12, temperature=1.0, top_k=20, seed=3,
                              num_samples=3)
@@ -38,6 +41,28 @@ def test_cached_decoding_matches_uncached(strategy):
 
 
 
+def test_decoding_stops_once_every_row_drew_an_eos():
+  """Greedy rows that draw an EOS end the loop within STOP_CHECK_EVERY steps; each row's
+  tokens after its EOS repeat it, and only tokens up to the EOS count as generated."""
+  run, gen = generator("fsdp_tp")
+  s = generate.Sampling(max_new_tokens=40, temperature=0.0, top_k=0)
+  prompts = [PROMPT, PROMPT[::-1].copy()]
+  full, report = gen.generate(run.init.params, prompts, s)
+  assert report.decode_steps == 39 and full[0].shape == (1, 40)
+  # An EOS each row draws early: the tokens at indices 2 and 4 of the two rows.
+  eos = (int(full[0][0, 2]), int(full[1][0, 4]))
+  stops = [min(np.flatnonzero(np.isin(f[0], eos))) for f in full]
+  stopped, report = gen.generate(run.init.params, prompts, dataclasses.replace(s, eos_ids=eos))
+  every = generate.STOP_CHECK_EVERY
+  assert report.decode_steps == every - 1 < 39  # the first look, after `every` tokens
+  assert report.decode_tokens == sum(stops)  # each row's tokens after the first, to its EOS
+  for row, f, stop in zip(stopped, full, stops):
+    assert row.shape == (1, every)
+    np.testing.assert_array_equal(row[0, :stop + 1], f[0, :stop + 1])
+    assert (row[0, stop:] == f[0, stop]).all()
+  assert text.decode(BYTES, stopped[0], eos) == text.decode(BYTES, full[0][:, :stops[0]])
+
+
 def test_seeded_sampling_is_deterministic():
   run, gen = generator("fsdp_tp")
   s = dataclasses.replace(SAMPLING, seed=7, num_samples=2)
@@ -55,7 +80,7 @@ def test_bad_requests_name_the_field():
   with pytest.raises(ConfigError, match="temperature"):
     generate.Sampling(temperature=-1.0)
   with pytest.raises(ConfigError, match="at least one token"):
-    gen.text(run.init.params, "", generate.Sampling(max_new_tokens=4))
+    gen.tokens(run.init.params, text.encode(BYTES, ""), generate.Sampling(max_new_tokens=4))
 
 
 def test_generate_cli_from_a_checkpoint(tmp_path, capsys):
@@ -80,7 +105,8 @@ def test_generate_cli_from_a_checkpoint(tmp_path, capsys):
 
 def test_text_decodes_bytes_with_replacement():
   run, gen = generator("fsdp_tp")
-  texts = gen.text(run.init.params, "dé =", SAMPLING)  # 5 bytes, like PROMPT
+  prompt = text.encode(BYTES, "dé =")  # 5 bytes, like PROMPT
+  texts = text.decode(BYTES, gen.tokens(run.init.params, prompt, SAMPLING))
   assert len(texts) == 3 and all(isinstance(t, str) for t in texts)
   assert any("\ufffd" in t for t in texts)  # random weights draw invalid UTF-8 somewhere
   assert jax.tree.leaves(run.init.params)  # params were not donated

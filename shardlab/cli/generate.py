@@ -50,7 +50,7 @@ def generate_main(argv=None, prog: str = "shardlab generate") -> int:
   prompts = args.prompt or ["def "]
   try:
     for prompt in prompts:  # before any loading: a bad prompt fails at once
-      generate.prompt_bytes(prompt)
+      text_io.prompt_bytes(prompt)
     setup_devices(args.simulate_devices)
     sampling = generate.Sampling(max_new_tokens=args.max_new_tokens,
                                  temperature=args.temperature, top_k=args.top_k,
@@ -59,7 +59,8 @@ def generate_main(argv=None, prog: str = "shardlab generate") -> int:
                                                       args.strategy, args.strict,
                                                       prefill_chunk=args.prefill_chunk)
     tokenizer = text_io.tokenizer_of(cfg)
-    sampling = dataclasses.replace(sampling, vocab=tokenizer.vocab_size)
+    sampling = dataclasses.replace(sampling, vocab=tokenizer.vocab_size,
+                                   eos_ids=text_io.eos_ids(tokenizer, cfg))
     start = time.perf_counter()
     if args.no_cache:
       texts = [text_io.uncached_texts(gen, params, tokenizer, p, sampling) for p in prompts]

@@ -99,7 +99,7 @@ def _config_from_args(args):
 
 
 def sampler(max_new_tokens: int, prompt: str = SAMPLE_PROMPT):
-  """The end-of-run hook that samples `max_new_tokens` bytes from the trained params."""
+  """The end-of-run hook that samples up to `max_new_tokens` tokens from the trained params."""
 
   def sample(run, state, progress) -> dict:
     if max_new_tokens <= 0 or jax.process_count() > 1:  # device_get needs every shard here
@@ -107,7 +107,8 @@ def sampler(max_new_tokens: int, prompt: str = SAMPLE_PROMPT):
     with Activity("sampling", progress):
       gen = generate.Generator(run.cfg, run.abstract, run.shardings)
       tokenizer = run.feed.tokenizer
-      s = text.sampling(tokenizer, max_new_tokens=max_new_tokens, seed=run.cfg.train.seed)
+      s = text.sampling(tokenizer, run.cfg, max_new_tokens=max_new_tokens,
+                        seed=run.cfg.train.seed)
       sample = prompt + text.texts(gen, state.params, tokenizer, [prompt], s)[0][0][0]
     progress.message(f"sample (temperature 0.8, top-k 40):\n{sample}")
     return {"sample": sample}
