@@ -213,3 +213,23 @@ def test_end_to_end_prepare_train_generate(bpe, tmp_path, capsys):
                    "12", "--quiet"]) == 0
   sample = capsys.readouterr().out
   assert sample.startswith("def ") and len(sample) > 8 and "\ufffd" not in sample[:4]
+
+
+def test_packed_resume_after_a_global_batch_change_reads_every_row_once(prepared, tmp_path,
+                                                                       monkeypatch):
+  """The position is rows consumed: a resume with another train.global_batch (under
+  --allow-config-change) reads on from there with its own batch size, so the rows of the two
+  runs together are positions 0, 1, 2, ... of the shuffled order: none skipped or repeated."""
+  out, _ = prepared
+  read, host = [], feed.PackedFeed.host
+  monkeypatch.setattr(feed.PackedFeed, "host", lambda self, position, rows: (
+      read.append((position, rows)), host(self, position, rows))[1])
+  same = {"checkpoint.dir": str(tmp_path / "ckpt"), "data.prefetch": 0, "train.steps": 5}
+  train.train(packed_config(tmp_path, out, "eight", **same), quiet=True, stop_after=3)
+  bigger = packed_config(tmp_path, out, "sixteen", **same, **{"train.global_batch": 16})
+  with pytest.raises(ConfigError, match=r"train.global_batch: 8 → 16"):
+    train.train(bigger, quiet=True)
+  assert train.train(bigger, quiet=True, allow_config_change=True)["steps_done"] == 5
+  assert read == [(0, (0, 8)), (8, (0, 8)), (16, (0, 8)), (24, (0, 16)), (40, (0, 16))]
+  saved = json.loads((tmp_path / "ckpt" / "5" / "progress" / "metadata").read_text())
+  assert saved["data"]["rows_consumed"] == 3 * 8 + 2 * 16
