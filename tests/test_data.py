@@ -233,3 +233,19 @@ def test_packed_resume_after_a_global_batch_change_reads_every_row_once(prepared
   assert read == [(0, (0, 8)), (8, (0, 8)), (16, (0, 8)), (24, (0, 16)), (40, (0, 16))]
   saved = json.loads((tmp_path / "ckpt" / "5" / "progress" / "metadata").read_text())
   assert saved["data"]["rows_consumed"] == 3 * 8 + 2 * 16
+
+
+def test_token_files_split_at_eos_and_refuse_ids_past_the_vocabulary(tmp_path):
+  stream = np.array([5, 6, 0, 7, 8, 9, 0, 10, 0, 11, 12, 0], np.uint16)  # 0 is the EOS here
+  stream.tofile(tmp_path / "train.bin")
+  eos_zero = type("Tok", (), {"vocab_size": 16, "eos_id": 0, "spec": "test"})()
+  splits = tokens.read_token_file(tmp_path / "train.bin", eos_zero, held_out_fraction=0.3)
+  # Documents start at 0, 3, 7, 9; the held-out 30% begins at a document start (7).
+  assert splits["train"][0].doc_starts.tolist() == [0, 3]
+  assert np.asarray(splits["train"][0].tokens).tolist() == stream[:7].tolist()
+  assert np.asarray(splits["held_out"][0].tokens).tolist() == [10, 0, 11, 12, 0]
+  assert splits["held_out"][0].doc_starts.tolist() == [0, 2]
+  np.save(tmp_path / "big.npy", np.array([1, 2, 300], np.uint16))
+  with pytest.raises(ConfigError, match=r"data.corpus '.*big.npy' holds token id 300, outside "
+                                        r"the vocabulary of data.tokenizer 'bytes' \(256 ids\)"):
+    feed.PackedFeed(config.DataConfig(corpus=str(tmp_path / "big.npy")), 0, 8, 4)

@@ -86,7 +86,10 @@ class PackedFeed:
     self._orders: dict[int, np.ndarray] = {}
 
   def start(self, step: int, saved: dict | None) -> int:
-    """The position of `step`'s batch: the saved one on a resume."""
+    """The position of `step`'s batch: the saved rows consumed on a resume (whatever
+    train.global_batch was then); else step × batch rows, where a run on this data from the
+    start would be (a fresh run, or a byte-level checkpoint resumed under
+    --allow-config-change)."""
     state = (saved or {}).get("data")
     if not state or state.get("kind") != self.kind:
       return step * self.batch_rows
@@ -141,13 +144,10 @@ def _splits(cfg: DataConfig, say):
   """({split: shards}, tokenizer, description) for a packed data config."""
   if tokens.is_prepared(cfg.corpus):
     index, splits = tokens.read_prepared(cfg.corpus)
-    spec = index["tokenizer"]
-    tok = tokenizer_lib.load(spec if spec == "bytes" else f"{cfg.corpus}/{spec}")
-    return splits, tok, f"{cfg.corpus} (prepared)"
+    return splits, _prepared_tokenizer(cfg.corpus, index), f"{cfg.corpus} (prepared)"
   tok = tokenizer_lib.load(cfg.tokenizer)
   if cfg.corpus.endswith(tokens.TOKEN_FILES):
-    return (tokens.read_token_file(cfg.corpus, tok.eos_id, cfg.held_out_fraction), tok,
-            cfg.corpus)
+    return tokens.read_token_file(cfg.corpus, tok, cfg.held_out_fraction), tok, cfg.corpus
   files, source = (data._files(cfg) if cfg.corpus == "stdlib" else (None, cfg.corpus))
   docs = tokens.documents(cfg.corpus, cfg.text_field, cfg.max_bytes, files)
   writers = tokens.tokenize(docs, cfg.tokenizer, cfg.held_out_fraction, workers=0,
@@ -222,6 +222,11 @@ class Prefetcher:
 def tokenizer_for(cfg: DataConfig):
   """The tokenizer a run with this data config trained with (a prepared directory's own)."""
   if tokens.is_prepared(cfg.corpus):
-    spec = tokens.read_prepared(cfg.corpus)[0]["tokenizer"]
-    return tokenizer_lib.load(spec if spec == "bytes" else f"{cfg.corpus}/{spec}")
+    return _prepared_tokenizer(cfg.corpus, tokens.read_prepared(cfg.corpus)[0])
   return tokenizer_lib.load(cfg.tokenizer)
+
+
+def _prepared_tokenizer(directory: str, index: dict):
+  """A prepared directory's own tokenizer (the copy `data prepare` wrote beside its index)."""
+  spec = index["tokenizer"]
+  return tokenizer_lib.load(spec if spec == tokenizer_lib.BYTES else f"{directory}/{spec}")

@@ -190,7 +190,8 @@ def prepare(source: str, out: str | Path, tokenizer_spec: str, text_field: str =
   if not index["splits"]["held_out"] or not index["splits"]["train"]:
     shutil.rmtree(out)  # nothing usable: a rerun with other settings may use the name
     raise ConfigError(f"{source} gave too few documents for a train and a held-out split "
-                      f"(held_out_fraction {held_out_fraction}); give more text or a larger fraction")
+                      f"(data.held_out_fraction {held_out_fraction}); give more text or a "
+                      f"larger fraction")
   (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
   return index
 
@@ -213,16 +214,21 @@ def read_prepared(directory: str | Path) -> tuple[dict, dict[str, list[Shard]]]:
   return index, splits
 
 
-def read_token_file(path: str | Path, eos_id: int | None, held_out_fraction: float):
-  """{split: [Shard]} of a nanoGPT-style token file: documents end after each EOS; the last
-  `held_out_fraction` of the tokens (from a document start) is held out."""
+def read_token_file(path: str | Path, tok, held_out_fraction: float):
+  """{split: [Shard]} of a nanoGPT-style token file of `tok`'s ids: documents end after each
+  EOS; the last `held_out_fraction` of the tokens (from a document start) is held out."""
   path = Path(path)
   tokens = (np.memmap(path, np.uint16, mode="r") if path.suffix == ".bin"
             else np.load(path, mmap_mode="r"))
   if tokens.ndim != 1:
     raise ConfigError(f"data.corpus {str(path)!r} holds a {tokens.ndim}-D array; a token "
                       f"file is one 1-D stream of ids")
-  ends = [] if eos_id is None else np.flatnonzero(np.asarray(tokens) == eos_id) + 1
+  top = int(tokens.max()) if len(tokens) else 0
+  if top >= tok.vocab_size:  # one pass; an id past the vocabulary would train on garbage
+    raise ConfigError(f"data.corpus {str(path)!r} holds token id {top}, outside the "
+                      f"vocabulary of data.tokenizer {tok.spec!r} ({tok.vocab_size} ids); set "
+                      f"data.tokenizer to the tokenizer that wrote the file")
+  ends = [] if tok.eos_id is None else np.flatnonzero(np.asarray(tokens) == tok.eos_id) + 1
   starts = np.unique(np.concatenate([[0], ends])).astype(np.int64)
   starts = starts[starts < len(tokens)]
   cut = int(starts[np.searchsorted(starts, int(len(tokens) * (1 - held_out_fraction)))
