@@ -6,6 +6,9 @@ A batch is the B×(L+1) token array, or a dict with `tokens` and, for packed doc
 `segment_ids` (B×(L+1), 0 for padding) and optionally `positions` (restarting per document;
 derived from the segment ids when absent). Then `hidden` also takes positions and segment
 ids, and a target in another document than its input (or padding) does not count.
+A model with `hidden_and_losses` (same inputs; returns the stream, an auxiliary loss and a
+dict of metrics: models/moe.py) has its auxiliary loss added, and the loss comes back as
+(loss, metrics) with the cross-entropy among the metrics.
 """
 
 import inspect
@@ -22,9 +25,25 @@ BATCH_KEYS = ("tokens", "segment_ids", "positions")
 
 
 def next_token_loss(model, batch, chunk: int = 0):
-  """Mean next-token cross-entropy (fp32) over the counted targets of a batch."""
+  """Mean next-token cross-entropy (fp32) over the counted targets of a batch (plus the
+  model's auxiliary loss, if it has one)."""
+  if not hasattr(model, "hidden_and_losses"):
+    return _cross_entropy_loss(model, model.hidden, batch, chunk)
+  extra = []
+
+  def hidden(*args):
+    x_BxLxD, aux, metrics = model.hidden_and_losses(*args)
+    extra.append((aux, metrics))
+    return x_BxLxD
+
+  loss = _cross_entropy_loss(model, hidden, batch, chunk)
+  aux, metrics = extra[0]
+  return loss + aux, {"cross_entropy": loss, **metrics}
+
+
+def _cross_entropy_loss(model, hidden, batch, chunk: int):
   if not isinstance(batch, dict):
-    x_BxLxD = model.hidden(batch[:, :-1])
+    x_BxLxD = hidden(batch[:, :-1])
     return cross_entropy(x_BxLxD, model.output_head(), batch[:, 1:], chunk)
   extra = set(batch) - set(BATCH_KEYS)
   if extra or "tokens" not in batch:
@@ -32,7 +51,7 @@ def next_token_loss(model, batch, chunk: int = 0):
                       f"'segment_ids', 'positions'")
   tokens, segments = batch["tokens"], batch.get("segment_ids")
   if segments is None:
-    return next_token_loss(model, tokens, chunk)
+    return _cross_entropy_loss(model, hidden, tokens, chunk)
   if "segment_ids_BxL" not in inspect.signature(model.hidden).parameters:
     raise ConfigError(f"the batch has segment_ids (packed documents) but "
                       f"{type(model).__name__}.hidden takes none; this model cannot mask "
@@ -40,7 +59,7 @@ def next_token_loss(model, batch, chunk: int = 0):
   positions = batch.get("positions")
   if positions is None:
     positions = context.document_positions(segments)
-  x_BxLxD = model.hidden(tokens[:, :-1], positions[:, :-1], segments[:, :-1])
+  x_BxLxD = hidden(tokens[:, :-1], positions[:, :-1], segments[:, :-1])
   counted = (segments[:, 1:] == segments[:, :-1]) & (segments[:, :-1] > 0)
   return cross_entropy(x_BxLxD, model.output_head(), tokens[:, 1:], chunk,
                        counted.astype(jnp.float32))

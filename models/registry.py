@@ -11,8 +11,9 @@ from shardlab import config as config_lib
 from shardlab.errors import ConfigError, unknown
 from shardlab.models.gpt2_config import GPT2Config
 from shardlab.models.llama_config import LlamaConfig
+from shardlab.models.moe_config import MoEConfig
 
-ARCHITECTURES = {"llama": LlamaConfig, "gpt2": GPT2Config}
+ARCHITECTURES = {"llama": LlamaConfig, "gpt2": GPT2Config, "moe": MoEConfig}
 
 
 def _preset_dir():

@@ -22,8 +22,9 @@ from shardlab.sharding.mesh import AXES as MESH_AXES
 # `length` is the sequence where attention reads it (queries, keys, values, MLP, logits);
 # `residual_length` the residual stream's and the norms' (Megatron-SP splits only that one).
 # `lora_rank` is a LoRA adapter's rank dim (models/lora.py): small, replicated everywhere.
+# `experts` is the expert dim of a mixture of experts' weights (models/experts.py).
 BUILTIN_AXES = ("batch", "length", "residual_length", "embed", "heads", "kv_heads",
-                "head_dim", "mlp", "vocab", "layers", "lora_rank")
+                "head_dim", "mlp", "vocab", "layers", "lora_rank", "experts")
 _registered: set[str] = set(BUILTIN_AXES)
 
 
@@ -37,15 +38,22 @@ def register_axes(*names: str) -> None:
 
 # Context parallelism: every strategy splits the sequence over the `context` mesh axis, a
 # no-op on meshes without one (a mesh axis the mesh lacks counts as size 1).
-BATCH = {"batch": ("data", "fsdp"), "length": "context", "residual_length": "context"}
+# Expert parallelism: the `expert` axis splits the batch like a data axis and holds 1/n of
+# each layer's experts (tokens travel to them by all-to-all, models/dispatch.py); a no-op on
+# meshes without one.
+BATCH = {"batch": ("data", "fsdp", "expert"), "length": "context",
+         "residual_length": "context"}
+EXPERT = "expert"
 # Megatron sequence parallelism: the residual stream between TP regions split over `tensor`.
 SEQUENCE = {"residual_length": ("context", "tensor")}
 TENSOR = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
 # Devices that split the sequence hold the same weights, as batch replicas do: FSDP and ZeRO
 # shard the state over them too (else at a large context degree the whole state sits on each
 # of them).
-FSDP = {"embed": ("fsdp", "context")}
-ZERO = {"embed": ("data", "fsdp", "context")}  # over every axis that splits the tokens
+# An expert weight's `experts` dim claims the expert axis first, so its embed dim is split
+# over the others.
+FSDP = {"embed": ("fsdp", "context", "expert")}
+ZERO = {"embed": ("data", "fsdp", "context", "expert")}  # over every axis that splits tokens
 WHOLE: dict = {}  # every name replicated
 # Pipeline parallelism: every strategy places the stacked layers on the `stage` axis (each
 # stage stores and runs its own layers), a no-op on meshes without one, as `context` is.
@@ -114,8 +122,9 @@ def strategy(name: str, overrides: dict | None = None) -> Rules:
   tables = {"params": dict(params), "opt_state": dict(opt), "activations": dict(acts)}
   if working is not None:
     tables["working"] = dict(working)
-  for table in tables.values():  # pipeline stages (models/pipeline.py), a no-op without one
+  for table in tables.values():  # pipeline stages and experts, no-ops on meshes without them
     table.setdefault("layers", PIPELINE)
+    table.setdefault("experts", EXPERT)
   for table, rules in (overrides or {}).items():
     if table not in tables:
       raise unknown("rules table", table, tables)
