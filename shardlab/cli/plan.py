@@ -10,7 +10,7 @@ from shardlab.errors import ConfigError
 from shardlab.models import registry
 from shardlab.plan import auto as plan_auto
 from shardlab.plan import auto_layout
-from shardlab.plan import compile as plan_compile
+from shardlab.plan import compile as plan_compile, experts as plan_experts
 from shardlab.plan import longest_context
 from shardlab.plan import planner as plan_lib
 from shardlab.plan import plot as plan_plot
@@ -234,7 +234,7 @@ def _memory_lines(result) -> list[str]:
   if mem.host:
     lines.append(f"  {'host memory':18s}{_gib(mem.host)}   offloaded (not in the total); "
                  f"{e.host_transfer_bytes / GiB:.2f} GiB host↔device per step")
-  return lines + [""]
+  return lines + [""] + plan_experts.lines(plan_experts.for_plan(result))
 
 
 def _min_device_lines(result) -> list[str]:

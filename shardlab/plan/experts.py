@@ -1,0 +1,92 @@
+"""A mixture of experts in the plan: total and active parameters, the expert weights each
+device stores, and the bytes expert parallelism moves by all-to-all.
+
+A model config offers this by having `n_active_params`, `n_experts`, `experts_per_token`,
+`n_expert_params`, `dispatch` and `capacity(tokens)` (models/moe_config.py); the FLOPs per
+token it reports already count the active parameters only.
+
+All-to-all bytes follow models/dispatch.py: each layer sends each device's dispatch buffer
+there and back in the forward, again in the backward, and once more each way when full
+remat reruns the forward. Capacity's buffer is E × C × D (C for the device's tokens);
+dropless's is N × K·T × D (a worst-case slot for every assignment at every peer). Counted as
+what leaves the device: (N − 1)/N of the buffer.
+"""
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+from shardlab.sharding import rules as rules_lib
+from shardlab.training import precision as precision_lib
+
+EXPERT_WEIGHT = ("layers", "experts", "embed", "mlp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Experts:
+  total_params: int
+  active_params: int
+  expert_parallel: int  # devices the experts are split over
+  expert_bytes_per_device: float  # the stored expert weights (all layers) on one device
+  all_to_all_bytes: float  # per device per step
+
+
+def is_moe(model) -> bool:
+  return hasattr(model, "n_active_params") and hasattr(model, "n_experts")
+
+
+def figures(model, strategy: str, rule_overrides, mesh_shape: dict, global_batch: int,
+            seq_len: int, param_bytes: int, act_bytes: int, remat: str) -> Experts | None:
+  if not is_moe(model):
+    return None
+  rules = rules_lib.strategy(strategy, rule_overrides)
+  mesh = _ShapeOnly(mesh_shape)
+  n, d, f = model.n_layers, model.d_model, model.mlp_dim
+  stored = rules_lib.spec(EXPERT_WEIGHT, (n, model.n_experts, d, f), rules.params, mesh,
+                          "expert weights")
+  split = rules_lib.spec(EXPERT_WEIGHT, (n, model.n_experts, d, f), rules.activations, mesh,
+                         "expert weights")
+  ep = _factor(split[1] if len(split) > 1 else None, mesh_shape)
+  tokens = global_batch * seq_len / math.prod(mesh_shape.get(a, 1) for a in rules.token_axes)
+  k = model.experts_per_token
+  if model.dispatch == "capacity":
+    rows = model.n_experts * model.capacity(int(tokens))
+  else:
+    rows = ep * k * tokens
+  passes = 6 if remat == "full" else 4
+  moved = 0.0 if ep == 1 else passes * n * rows * d * act_bytes * (ep - 1) / ep
+  per_device = model.n_expert_params / math.prod(_factor(e, mesh_shape) for e in stored)
+  return Experts(model.n_params, model.n_active_params, ep, per_device * param_bytes, moved)
+
+
+def for_plan(result) -> Experts | None:
+  """The figures of a planner result (shardlab.plan.planner.Plan)."""
+  r, e = result.request, result.estimate
+  policy = precision_lib.resolve("bf16" if r.precision == "auto" else r.precision)
+  return figures(result.model, e.strategy, r.rules, e.mesh_shape, r.global_batch, r.seq_len,
+                 jnp.dtype(policy.param_dtype).itemsize,
+                 jnp.dtype(policy.compute_dtype).itemsize, r.remat)
+
+
+def _factor(entry, mesh_shape: dict) -> int:
+  axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+  return math.prod(mesh_shape.get(a, 1) for a in axes)
+
+
+class _ShapeOnly:
+  """What rules.spec reads of a mesh."""
+
+  def __init__(self, shape: dict):
+    self.shape, self.axis_names = dict(shape), tuple(shape)
+
+
+def lines(e: Experts | None) -> list[str]:
+  if e is None:
+    return []
+  return ["mixture of experts",
+          f"  parameters        {e.total_params / 1e9:.2f}B total, "
+          f"{e.active_params / 1e9:.2f}B active per token (FLOPs count these)",
+          f"  expert weights    {e.expert_bytes_per_device / 2**30:.2f} GiB per device "
+          f"(experts split {e.expert_parallel}-way over the expert axis)",
+          f"  all-to-all        {e.all_to_all_bytes / 2**30:.2f} GiB per device per step", ""]

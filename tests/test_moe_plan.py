@@ -1,0 +1,50 @@
+"""The planner on a mixture of experts: its per-device state and total memory against the
+real train step compiled on the 8 simulated CPU devices (fp32, as test_plan_compile.py), and
+its expert figures (active parameters, expert weights per device, all-to-all bytes)."""
+
+import pytest
+
+from shardlab.models import registry
+from shardlab.plan import aot
+from shardlab.plan import compile as plan_compile
+from shardlab.plan import experts as plan_experts
+from shardlab.plan import planner as plan
+from shardlab.runtime import hardware
+from shardlab.sharding import mesh as mesh_lib
+
+# (strategy, mesh) -> the band the total's ratio (planned / compiled) must stay in. Measured
+# 0.35 and 0.31 (dropless, 512 tokens a device): the planner models an MoE layer's saved
+# activations as llama's with K experts' MLP residuals (models/moe_config.py), but not yet
+# the dispatch buffers of models/dispatch.py — under EP, dropless pads each peer's slot to
+# K·T rows, so what the backward keeps grows with the EP degree. The state is exact.
+CASES = {("dp", "data:2,expert:4"): (0.30, 0.40), ("fsdp", "fsdp:2,expert:4"): (0.27, 0.37)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, mesh", list(CASES))
+def test_planned_memory_matches_the_compiled_moe_step(strategy, mesh):
+  req = plan.Request(model="moe-tiny", precision="fp32", global_batch=32, seq_len=128,
+                     remat="none", strategy=strategy, mesh=mesh, target="a100-80g")
+  spec = mesh_lib.load(req.mesh)
+  report = aot.compile_on_cpu(plan_compile.run_config(req, spec), 8)
+  est = plan.estimate(req, registry.load(req.model), hardware.get(req.target), spec,
+                      backend="cpu")
+  ratio = plan_compile.compare(report, est)["ratio"]
+  assert ratio["state"] == pytest.approx(1, abs=0.02), ratio
+  low, high = CASES[(strategy, mesh)]
+  assert low <= ratio["total"] <= high, ratio
+
+
+def test_expert_figures():
+  model = registry.load("mixtral-8x7b")
+  shape = {"data": 1, "fsdp": 4, "expert": 8, "tensor": 1}
+  e = plan_experts.figures(model, "fsdp", {}, shape, 64, 4096, 4, 2, "none")
+  assert (e.total_params, e.active_params) == (46_702_792_704, 12_879_925_248)
+  assert e.expert_parallel == 8
+  assert e.expert_bytes_per_device == model.n_expert_params * 4 / 32
+  tokens = 64 * 4096 / 32
+  assert e.all_to_all_bytes == 4 * 32 * (8 * 2 * tokens) * 4096 * 2 * 7 / 8
+  none = plan_experts.figures(model, "fsdp", {}, {"fsdp": 32}, 64, 4096, 4, 2, "none")
+  assert none.expert_parallel == 1 and none.all_to_all_bytes == 0
+  assert plan_experts.figures(registry.load("tiny"), "fsdp", {}, shape, 8, 128, 4, 2,
+                              "none") is None
