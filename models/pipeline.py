@@ -12,8 +12,8 @@ the layer dim, stage-sharded on S. Microbatch m enters stage 0 at iteration r·M
 r and reaches stage s at r·M + m + s; each iteration every stage applies its group to what it
 holds, then passes the result one stage on (ppermute, S−1 wrapping to 0). Stage 0 keeps what
 comes back round in a buffer until that microbatch's next repeat (M ≥ S makes it wait ≥ 0
-iterations). T = R·M + S − 1 iterations, of which each stage idles S − 1: the bubble,
-(S − 1) / (R·M + S − 1). R = 1 is GPipe: autodiff of this forward scan runs all forwards,
+iterations). T = R·M + S − 1 iterations, of which each stage idles S − 1 (it computes on
+zeros there, and the result is dropped): the bubble, (S − 1) / (R·M + S − 1). R = 1 is GPipe: autodiff of this forward scan runs all forwards,
 then all backwards (ppermute's transpose sends the other way), each stage keeping the inputs
 of its K layers for all M microbatches (less under remat).
 
@@ -25,7 +25,8 @@ checkpoint independent of the layout.
 
 Embedding, final norm and head sit outside the pipeline, replicated over `stage` (sharded as
 the strategy says over the other axes): they are small beside the layers, and every stage
-then holds the input to feed stage 0 and the output the loss reads.
+then holds the input to feed stage 0 and the output the loss reads (one all-reduce over
+`stage` brings the last stage's output to all; the input's gradient is summed likewise).
 
 Shape suffixes: M microbatches, b rows per microbatch, B = M·b, L length, D d_model, R
 repeats, S stages, K layers per group.

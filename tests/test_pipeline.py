@@ -1,8 +1,8 @@
 """Pipeline parallelism (models/pipeline.py) computes what one device computes: loss,
 gradients and AdamW steps for GPipe and circular schedules over 2, 4 and 8 stages, combined
-with fsdp, tensor and data parallelism inside a stage; its compiled step moves activations
-with collective-permutes and never gathers another stage's layer weights; a checkpoint moves
-between stage counts; a bad layer count gets a clear error.
+with fsdp, tensor and data parallelism inside a stage, and under full remat; its compiled
+step moves activations with collective-permutes and never gathers another stage's layer
+weights; a checkpoint moves between stage counts; a bad layer count gets a clear error.
 """
 
 import dataclasses
@@ -41,14 +41,16 @@ CASES = {
     "circular-stage4-fsdp2": ("fsdp", "stage:4,fsdp:2", 4, 2),
     "circular-stage2-tensor4": ("tp", "stage:2,tensor:4", 8, 4),
     "circular-stage8": ("dp", "stage:8", 8, 2),
+    "circular-stage4-fsdp2-remat": ("fsdp", "stage:4,fsdp:2", 8, 2),
 }
-SLOW = ("circular-stage2-tensor4", "gpipe-stage4-tensor2")
+REMAT = {"circular-stage4-fsdp2-remat": "full"}
+SLOW = ("circular-stage2-tensor4", "gpipe-stage4-tensor2", "circular-stage4-fsdp2-remat")
 
 
 def run(case: str) -> H.Run:
   strategy, mesh, microbatches, repeats = CASES[case]
   return H.run(strategy, mesh, model=MODEL, microbatches=microbatches,
-               pipeline_repeats=repeats)
+               pipeline_repeats=repeats, remat=REMAT.get(case, "none"))
 
 
 def to_numpy(tree):
