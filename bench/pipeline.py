@@ -5,7 +5,7 @@
 
 For each stage count S (mesh stage:S,data:8/S, strategy dp), microbatch count M and schedule
 (repeats R = 1 GPipe, R > 1 circular): the median of `--steps` train steps of a 16-layer
-micro Llama (d_model 128, batch 32 × 64 tokens, fp32) after one warm-up step, beside
+micro Llama (d_model 128, batch 128 × 16 tokens, fp32) after one warm-up step, beside
 `bubble` = (S − 1)/(R·M + S − 1), the planner's figure.
 
 How to read it here: simulated devices share this machine's cores, so an idle stage frees
@@ -45,8 +45,9 @@ from shardlab.training import run as run_lib  # noqa: E402
 from shardlab.training import state as state_lib  # noqa: E402
 
 MODEL = LlamaConfig(name="bench-pp", vocab_size=256, d_model=128, n_layers=16, n_heads=8,
-                    n_kv_heads=4, head_dim=16, mlp_dim=256, max_seq_len=64)
-TRAIN = config.TrainConfig(steps=10, global_batch=32, seq_len=64, optimizer="adamw", lr=1e-3,
+                    n_kv_heads=4, head_dim=16, mlp_dim=256, max_seq_len=16)
+# 128 rows so 16 microbatches still split over data:8 at stage 1 (one row per device).
+TRAIN = config.TrainConfig(steps=10, global_batch=128, seq_len=16, optimizer="adamw", lr=1e-3,
                            warmup_steps=1, precision="fp32", seed=0)
 
 
