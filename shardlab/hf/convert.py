@@ -20,6 +20,7 @@ from shardlab.training import checkpoint
 from shardlab import config as config_lib
 from shardlab.hf import weights as hf
 from shardlab.hf import config as hf_config
+from shardlab.hf import mixtral
 from shardlab.sharding import mesh as mesh_lib
 from shardlab.models import lora, registry
 from shardlab.models.llama_config import LlamaConfig
@@ -42,8 +43,8 @@ def _placement(cfg: Config) -> tuple[state_lib.Abstract, state_lib.Shardings]:
 
 def hf_model_config(hf_dir: str | Path) -> LlamaConfig:
   path = Path(hf_dir)
-  return hf_config.to_model(hf_config.read(path), f"hf-{path.absolute().name}",
-                            str(path / hf_config.CONFIG_FILE))
+  return mixtral.to_model(hf_config.read(path), f"hf-{path.absolute().name}",
+                          str(path / hf_config.CONFIG_FILE))
 
 
 def import_checkpoint(hf_dir: str | Path, out_dir: str | Path, mesh: str = DEFAULT_MESH,

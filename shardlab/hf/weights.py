@@ -21,6 +21,7 @@ import numpy as np
 
 from shardlab.hf import config as hf_config
 from shardlab.hf import files as hf_files
+from shardlab.hf import mixtral
 from shardlab.models.llama_config import LlamaConfig
 from shardlab.errors import ConfigError
 from shardlab.training.state import Abstract, Shardings
@@ -63,6 +64,8 @@ def mappings(m: LlamaConfig) -> list[Mapping]:
       _block("attn.v_DxKxE", "self_attn.v_proj", ("KE", "D"), "DKE"),
       _block("attn.o_HxExD", "self_attn.o_proj", ("D", "HE"), "HED"),
       _block("mlp_norm.scale", "post_attention_layernorm", ("D",), "D"),
+  ]
+  out += _moe_mappings() if getattr(m, "arch", "llama") == "moe" else [
       _block("mlp.gate_DxF", "mlp.gate_proj", ("F", "D"), "DF"),
       _block("mlp.up_DxF", "mlp.up_proj", ("F", "D"), "DF"),
       _block("mlp.down_FxD", "mlp.down_proj", ("D", "F"), "FD"),
@@ -73,9 +76,24 @@ def mappings(m: LlamaConfig) -> list[Mapping]:
   return out
 
 
+def _moe_mappings() -> list[Mapping]:
+  """Mixtral's router and experts (X: the expert index; shardlab/hf/mixtral.py)."""
+  experts = "block_sparse_moe.experts." + mixtral.EXPERT
+  return [_block("moe.router_DxE", "block_sparse_moe.gate", ("X", "D"), "DX"),
+          _block("moe.gate_ExDxF", f"{experts}.w1", ("X", "F", "D"), "XDF"),
+          _block("moe.up_ExDxF", f"{experts}.w3", ("X", "F", "D"), "XDF"),
+          _block("moe.down_ExFxD", f"{experts}.w2", ("X", "D", "F"), "XFD")]
+
+
 def sizes(m: LlamaConfig) -> dict[str, int]:
   return {"V": m.vocab_size, "D": m.d_model, "H": m.n_heads, "K": m.n_kv_heads,
-          "E": m.head_dim, "F": m.mlp_dim}
+          "E": m.head_dim, "F": m.mlp_dim, "X": getattr(m, "n_experts", 1)}
+
+
+def reader(hf_dir, m) -> hf_files.Reader:
+  """The directory's tensors; a Mixtral's experts also as one stacked tensor each."""
+  found = hf_files.Reader(hf_dir)
+  return mixtral.ExpertReader(found, m.n_experts) if getattr(m, "arch", "") == "moe" else found
 
 
 def hf_shape(mapping: Mapping, size: dict[str, int]) -> tuple[int, ...]:
@@ -146,11 +164,11 @@ def check_tensors(reader: hf_files.Reader, m: LlamaConfig, hf_dir) -> None:
 def load_params(hf_dir: str | Path, model: LlamaConfig, abstract: Abstract, sh: Shardings):
   """Params of the HF Llama in `hf_dir`, each born on `sh.state.params` in the abstract
   state's dtype. `model` (the run's model config) must compute what config.json does."""
-  hf_model = hf_config.to_model(hf_config.read(hf_dir), model.name,
-                                str(Path(hf_dir) / hf_config.CONFIG_FILE))
-  hf_config.check_matches(hf_model, model, hf_dir)
-  reader = hf_files.Reader(hf_dir)
-  check_tensors(reader, model, hf_dir)
+  hf_model = mixtral.to_model(hf_config.read(hf_dir), model.name,
+                              str(Path(hf_dir) / hf_config.CONFIG_FILE))
+  mixtral.check_matches(hf_model, model, hf_dir)
+  tensors = reader(hf_dir, model)
+  check_tensors(tensors, model, hf_dir)
   size, params = sizes(model), {}
   for mapping in mappings(model):
     target = _at(abstract.state.params, mapping.param)
@@ -160,10 +178,10 @@ def load_params(hf_dir: str | Path, model: LlamaConfig, abstract: Abstract, sh: 
     def shard(index, mapping=mapping, names=names, letters=letters, target=target):
       box = {c: slice(*s.indices(n)[:2]) for c, s, n in zip(letters, index, target.shape)}
       if mapping.stacked:  # one layer at a time: never more than this device's shard
-        out = np.stack([read_box(reader, names[i], mapping, size, box)
+        out = np.stack([read_box(tensors, names[i], mapping, size, box)
                         for i in range(box["L"].start, box["L"].stop)])
       else:
-        out = read_box(reader, names[0], mapping, size, box)
+        out = read_box(tensors, names[0], mapping, size, box)
       return out.astype(target.dtype)
 
     _set(params, mapping.param, jax.make_array_from_callback(
@@ -188,15 +206,19 @@ def export_params(params, model: LlamaConfig, hf_dir: str | Path, dtype: str = "
   size, entries, sources = sizes(model), [], {}
   for mapping in mappings(model):
     for layer, name in enumerate(mapping.hf_names(model.n_layers)):
-      entries.append((name, np_dtype, hf_shape(mapping, size)))
-      sources[name] = (mapping, layer if mapping.stacked else None)
+      shape, layer = hf_shape(mapping, size), layer if mapping.stacked else None
+      for expert in range(shape[0]) if mixtral.EXPERT in name else (None,):
+        entry = name if expert is None else name.replace(mixtral.EXPERT, str(expert))
+        entries.append((entry, np_dtype, shape if expert is None else shape[1:]))
+        sources[entry] = (mapping, layer, expert)
 
   def produce(name: str) -> np.ndarray:
-    mapping, layer = sources[name]
+    mapping, layer, expert = sources[name]
     value = _at(params, mapping.param)
     if layer is not None:
       value = _layer(value, layer)
-    return to_hf_layout(np.asarray(jax.device_get(value)), mapping).astype(np_dtype)
+    value = to_hf_layout(np.asarray(jax.device_get(value)), mapping)
+    return (value if expert is None else value[expert]).astype(np_dtype)
 
   nbytes = {n: math.prod(s) * d.itemsize for n, d, s in entries}
   groups = hf_files.plan_files(((n, nbytes[n]) for n, _, _ in entries), max_shard_bytes)
@@ -213,7 +235,7 @@ def export_params(params, model: LlamaConfig, hf_dir: str | Path, dtype: str = "
     path.unlink(missing_ok=True)
   if len(groups) > 1:
     hf_files.write_index(out, weight_map, sum(nbytes.values()))
-  config = hf_config.from_model(model, dtype)
+  config = mixtral.from_model(model, dtype)
   (out / hf_config.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
   (out / GENERATION_FILE).write_text(
       json.dumps(hf_config.generation_config(model), indent=2) + "\n")
