@@ -44,7 +44,7 @@ def test_bytes_add_up_to_the_state(strategy):
     return  # (the compiled comparison below is made for fsdp and tp, compiled anyway)
   # And the per-device total is what XLA allocates for the state argument of the real step.
   t = run.cfg.train
-  batch_shards = math.prod(run.mesh.shape[a] for a in run.rules.batch_axes)
+  batch_shards = math.prod(run.mesh.shape.get(a, 1) for a in run.rules.batch_axes)
   batch_bytes = t.global_batch * (t.seq_len + 1) * 4 // batch_shards
   compiled = run.compiled_step.memory_analysis().argument_size_in_bytes
   assert lay.bytes_per_device()["state"] + batch_bytes == compiled
