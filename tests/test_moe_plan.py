@@ -43,8 +43,18 @@ def test_expert_figures():
   assert e.expert_parallel == 8
   assert e.expert_bytes_per_device == model.n_expert_params * 4 / 32
   tokens = 64 * 4096 / 32
-  assert e.all_to_all_bytes == 4 * 32 * (8 * 2 * tokens) * 4096 * 2 * 7 / 8
+  assert e.all_to_all_bytes == 4 * 32 * (8 * 2 * tokens) * 4096 * 2
   none = plan_experts.figures(model, "fsdp", {}, {"fsdp": 32}, 64, 4096, 4, 2, "none")
   assert none.expert_parallel == 1 and none.all_to_all_bytes == 0
   assert plan_experts.figures(registry.load("tiny"), "fsdp", {}, shape, 8, 128, 4, 2,
                               "none") is None
+
+
+def test_search_includes_the_expert_axis():
+  req = plan.Request(model="moe-tiny", precision="fp32", global_batch=32, seq_len=128,
+                     target="a100-80g")
+  found = plan.search(req, registry.load("moe-tiny"), hardware.get("a100-80g"), 16)
+  experts = {e.mesh_shape.get("expert", 1) for e in found}
+  assert {2, 4, 8} <= experts and 1 in experts
+  dense = plan.search(req, registry.load("tiny"), hardware.get("a100-80g"), 16)
+  assert all(e.mesh_shape.get("expert", 1) == 1 for e in dense)

@@ -8,8 +8,9 @@ token it reports already count the active parameters only.
 All-to-all bytes follow models/dispatch.py: each layer sends each device's dispatch buffer
 there and back in the forward, again in the backward, and once more each way when full
 remat reruns the forward. Capacity's buffer is E × C × D (C for the device's tokens);
-dropless's is N × K·T × D (a worst-case slot for every assignment at every peer). Counted as
-what leaves the device: (N − 1)/N of the buffer.
+dropless's is N × K·T × D (a worst-case slot for every assignment at every peer). Counted
+as shardlab.observe.hlo counts an all-to-all: the buffer itself (what leaves the device is
+(N − 1)/N of it).
 """
 
 import dataclasses
@@ -55,7 +56,7 @@ def figures(model, strategy: str, rule_overrides, mesh_shape: dict, global_batch
   else:
     rows = ep * k * tokens
   passes = 6 if remat == "full" else 4
-  moved = 0.0 if ep == 1 else passes * n * rows * d * act_bytes * (ep - 1) / ep
+  moved = 0.0 if ep == 1 else passes * n * rows * d * act_bytes
   per_device = model.n_expert_params / math.prod(_factor(e, mesh_shape) for e in stored)
   return Experts(model.n_params, model.n_active_params, ep, per_device * param_bytes, moved)
 

@@ -1,5 +1,5 @@
-"""Searches over meshes: every data × fsdp × tensor (× context, for long sequences)
-factorisation × strategy that is a distinct placement with no idle axis, fastest first; and
+"""Searches over meshes: every data × fsdp × tensor (× context, for long sequences; × expert,
+for a mixture of experts) factorisation × strategy that is a distinct placement with no idle axis, fastest first; and
 the fewest devices that fit, at the requested microbatch count and at any.
 
 Two candidates are one placement when every table puts every logical name on the same number
@@ -94,6 +94,13 @@ def staged(n: int, seq_len: int | None, dims: dict, acc) -> list[dict]:
   return [{"stage": s, **shape} for s in stages for shape in factorizations(n // s, seq_len)]
 
 
+def expert_shapes(n: int, seq_len: int | None, dims: dict) -> list[dict]:
+  """Expert-parallel shapes for a mixture of experts: an `expert` axis dividing the experts
+  (and n), beside every factorization of what is left."""
+  sizes = [e for e in divisors(dims.get("experts", 1)) if e > 1 and n % e == 0]
+  return [{"expert": e, **shape} for e in sizes for shape in factorizations(n // e, seq_len)]
+
+
 def _rank(e: Estimate) -> tuple:
   """Fastest first; among equal step times (compute-bound), less communication, then less
   memory."""
@@ -115,7 +122,8 @@ def search(req: Request, model, acc, n: int,
   dims = _dims(req, model, req.microbatches)
   for strategy in strategies:
     rules = rules_lib.strategy(strategy, req.rules)
-    for shape in factorizations(n, req.seq_len) + staged(n, req.seq_len, dims, acc):
+    for shape in (factorizations(n, req.seq_len) + staged(n, req.seq_len, dims, acc) +
+                  expert_shapes(n, req.seq_len, dims)):
       spec = split_ici_dcn(shape, acc.ici_domain)
       key = placement(rules, spec, dims)
       e = None if key is None else _try(req, model, acc, spec, strategy)
