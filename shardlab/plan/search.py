@@ -1,6 +1,7 @@
 """Searches over meshes: every data × fsdp × tensor (× context, for long sequences; × expert,
-for a mixture of experts) factorisation × strategy that is a distinct placement with no idle axis, fastest first; and
-the fewest devices that fit, at the requested microbatch count and at any.
+for a mixture of experts) factorisation × strategy that is a distinct placement with no idle
+axis, fastest first; and the fewest devices that fit, at the requested microbatch count and
+at any.
 
 Two candidates are one placement when every table puts every logical name on the same number
 of devices inside the fast domain and across DCN (fsdp on a mesh with fsdp=1 is dp; zero1 with
