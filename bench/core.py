@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 from shardlab import config  # noqa: E402
 from shardlab.models import registry  # noqa: E402
 from shardlab.models.llama_config import LlamaConfig  # noqa: E402
-from shardlab.sharding import mesh, rules  # noqa: E402
+from shardlab.sharding import mesh  # noqa: E402
 from shardlab.training import run as run_lib  # noqa: E402
 from shardlab.training import state as state_lib  # noqa: E402
 
@@ -63,15 +63,17 @@ def memory(compiled) -> dict:
 
 def run_train(model_cfg, mesh_text: str, strategy: str, batch: int, seq: int, precision: str,
               steps: int, warmup: int, devices=None, loss_chunk: int = 0,
-              remat: str = "none") -> dict:
+              remat: str = "none", offload: str = "none",
+              lora: config.LoraConfig = config.LoraConfig()) -> dict:
   """Compiles one train step, runs `warmup` untimed steps, then times `steps` steps."""
   train = config.TrainConfig(global_batch=batch, seq_len=seq, precision=precision,
                              steps=warmup + steps + 1, loss_chunk=loss_chunk,
-                             remat=remat)
-  cfg = config.Config(model=model_cfg, mesh=mesh_text, strategy=strategy, train=train)
+                             remat=remat, offload=offload)
+  cfg = config.Config(model=model_cfg, mesh=mesh_text, strategy=strategy, train=train,
+                      lora=lora)
   the_mesh = mesh.build(mesh.parse_inline(mesh_text), devices=devices)
   abstract = run_lib.abstract_state(cfg)
-  sh = state_lib.shardings(abstract, rules.strategy(strategy), the_mesh)
+  sh = run_lib.shardings(cfg, abstract, the_mesh, offload=True)
   state = state_lib.init_state(abstract, sh)
   tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (batch, seq + 1),
                                              dtype=np.int32)
