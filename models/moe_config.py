@@ -52,11 +52,16 @@ class MoEConfig(LlamaConfig):
 
   @property
   def saved_activations(self) -> dict:
-    """As llama's (models/llama_config.py), with the MLP's three B×L×F residuals kept for
-    each of a token's experts, and the dispatched copies of the tokens (B×L×D per expert)."""
+    """As llama's (models/llama_config.py), with the experts' rows in place of the MLP's:
+    r rows a token (k dropless; capacity_factor · k slots in capacity mode), each keeping
+    SwiGLU's three F-wide residuals and four D-wide copies (dispatched, exchanged, the
+    experts' output and its return), plus the k rows gathered for the combine. Dropless
+    under expert parallelism pads its exchange to N× this (models/dispatch.py), which the
+    config cannot see: the planner underestimates it (docs/moe.md)."""
     k = self.experts_per_token
-    return {"d": (0, 4 + 2 * k), "q": (0, 2), "kv": (0, 2), "scores": (0, 1),
-            "mlp": (0, 3 * k)}
+    rows = k * (self.capacity_factor if self.dispatch == "capacity" else 1)
+    return {"d": (0, 4 + 4 * rows + k), "q": (0, 2), "kv": (0, 2), "scores": (0, 1),
+            "mlp": (0, 3 * rows)}
 
   @property
   def saved_matmul_outputs(self) -> dict:

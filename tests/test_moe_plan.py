@@ -2,6 +2,8 @@
 real train step compiled on the 8 simulated CPU devices (fp32, as test_plan_compile.py), and
 its expert figures (active parameters, expert weights per device, all-to-all bytes)."""
 
+import importlib.resources
+
 import pytest
 
 from shardlab.models import registry
@@ -12,18 +14,25 @@ from shardlab.plan import planner as plan
 from shardlab.runtime import hardware
 from shardlab.sharding import mesh as mesh_lib
 
-# (strategy, mesh) -> the band the total's ratio (planned / compiled) must stay in. Measured
-# 0.35 and 0.31 (dropless, 512 tokens a device): the planner models an MoE layer's saved
-# activations as llama's with K experts' MLP residuals (models/moe_config.py), but not yet
-# the dispatch buffers of models/dispatch.py — under EP, dropless pads each peer's slot to
-# K·T rows, so what the backward keeps grows with the EP degree. The state is exact.
-CASES = {("dp", "data:2,expert:4"): (0.30, 0.40), ("fsdp", "fsdp:2,expert:4"): (0.27, 0.37)}
+# (dispatch, strategy, mesh) -> the band the total's ratio (planned / compiled) must stay in.
+# Capacity dispatch is modelled (models/moe_config.py saved_activations): within 15%.
+# Dropless is not: measured 0.40 and 0.36 (512 tokens a device). XLA:CPU's ragged_dot keeps
+# more than the rows it multiplies, and under EP dropless pads each peer's slot to K·T rows
+# (models/dispatch.py), so what the backward keeps grows with the EP degree, which the
+# model config the planner asks cannot see. The state is exact in every case.
+CASES = {("capacity", "dp", "data:2,expert:4"): (0.85, 1.15),
+         ("capacity", "fsdp", "fsdp:2,expert:4"): (0.85, 1.15),
+         ("dropless", "dp", "data:2,expert:4"): (0.35, 0.45),
+         ("dropless", "fsdp", "fsdp:2,expert:4"): (0.30, 0.42)}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, mesh", list(CASES))
-def test_planned_memory_matches_the_compiled_moe_step(strategy, mesh):
-  req = plan.Request(model="moe-tiny", precision="fp32", global_batch=32, seq_len=128,
+@pytest.mark.parametrize("dispatch, strategy, mesh", list(CASES))
+def test_planned_memory_matches_the_compiled_moe_step(dispatch, strategy, mesh, tmp_path):
+  model_file = tmp_path / f"moe-tiny-{dispatch}.toml"
+  preset = importlib.resources.files("shardlab.models") / "presets" / "moe-tiny.toml"
+  model_file.write_text(preset.read_text() + f'dispatch = "{dispatch}"\n')
+  req = plan.Request(model=str(model_file), precision="fp32", global_batch=32, seq_len=128,
                      remat="none", strategy=strategy, mesh=mesh, target="a100-80g")
   spec = mesh_lib.load(req.mesh)
   report = aot.compile_on_cpu(plan_compile.run_config(req, spec), 8)
@@ -31,7 +40,7 @@ def test_planned_memory_matches_the_compiled_moe_step(strategy, mesh):
                       backend="cpu")
   ratio = plan_compile.compare(report, est)["ratio"]
   assert ratio["state"] == pytest.approx(1, abs=0.02), ratio
-  low, high = CASES[(strategy, mesh)]
+  low, high = CASES[(dispatch, strategy, mesh)]
   assert low <= ratio["total"] <= high, ratio
 
 
