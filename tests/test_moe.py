@@ -129,3 +129,18 @@ def test_bad_moe_fields_are_refused():
     dataclasses.replace(SMALL, dispatch="ragged")
   with pytest.raises(ConfigError, match="capacity_factor"):
     dataclasses.replace(SMALL, capacity_factor=0.0)
+
+
+def test_decoding_with_the_cache_gives_the_full_forward_logits():
+  """What `generate` runs: prefill, then one token at a time through the KV cache."""
+  cfg = dataclasses.replace(SMALL, dispatch="capacity", capacity_factor=2.0)
+  model = cfg.make(nnx.Rngs(0), jnp.float32)
+  tokens = jax.random.randint(jax.random.key(4), (2, 10), 0, cfg.vocab_size)
+  full = model(tokens)
+  cache = cfg.init_cache(2, 16, jnp.float32)
+  first, cache = model.extend(tokens[:, :7], cache)
+  steps = [first]
+  for i in range(7, 10):
+    out, cache = model.extend(tokens[:, i:i + 1], cache)
+    steps.append(out)
+  np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=1e-5, atol=1e-5)
