@@ -164,7 +164,9 @@ def make_steps(cfg: Config, abstract: state_lib.Abstract, shardings_: state_lib.
                                    grad_dtype=cfg.train.grad_dtype,
                                    nonfinite=cfg.train.nonfinite,
                                    pipeline_repeats=cfg.train.pipeline_repeats),
-          step_lib.make_eval_step(loss, abstract, shardings_))
+          step_lib.make_eval_step(loss, abstract, shardings_,
+                                  microbatches=cfg.train.microbatches,
+                                  pipeline_repeats=cfg.train.pipeline_repeats))
 
 
 def setup(cfg: Config, with_data: bool = True, devices=None) -> Run:

@@ -206,13 +206,17 @@ class _Checked:
     return self.jitted.lower(state, batch)
 
 
-def make_eval_step(loss_fn: LossFn, abstract: Abstract, shardings: Shardings):
-  """jit(params, batch) -> mean loss."""
+def make_eval_step(loss_fn: LossFn, abstract: Abstract, shardings: Shardings, *,
+                   microbatches: int = 1, pipeline_repeats: int = 1):
+  """jit(params, batch) -> mean loss. Under a pipeline it runs the train step's schedule
+  (train.microbatches, train.pipeline_repeats), not a one-microbatch GPipe that would leave
+  (S − 1)/S of it bubble; without one the whole batch goes through at once."""
   loss = model_loss(loss_fn, abstract)
+  _, schedule = pipeline_split(shardings, microbatches, pipeline_repeats)
 
   def eval_step(params, batch):
     params = _on_device(params, shardings.on_device.params)
-    with activation_rules(shardings.mesh, shardings.rules):
+    with activation_rules(shardings.mesh, shardings.rules, schedule):
       return loss(params, batch)[0]
 
   return jax.jit(eval_step, in_shardings=(shardings.state.params, shardings.batch),
