@@ -49,19 +49,21 @@ def stages(n_layers: int):
   mesh, spec = where
   axis = spec[0]
   if not isinstance(axis, str):
-    raise ConfigError(f"the rules split `layers` over {axis}; a pipeline runs over one mesh "
-                      f"axis (`stage`)")
+    raise ConfigError(f"the rules split the logical axis `layers` over the mesh axes {axis}; "
+                      f"a pipeline runs over exactly one mesh axis: set rules.params.layers "
+                      f"and rules.activations.layers to 'stage' (or 'none' for no pipeline)")
   return mesh, axis, mesh.shape[axis]
 
 
-def check(n_layers: int, n_stages: int, repeats: int, microbatches: int, batch: int):
-  """Clear errors for a schedule the model and batch cannot follow."""
+def check(n_layers: int, n_stages: int, repeats: int, microbatches: int,
+          batch: int | None = None):
+  """Clear errors for a schedule the model (and batch, when given) cannot follow."""
   if n_layers % (n_stages * repeats):
     raise ConfigError(
         f"model.n_layers ({n_layers}) must be divisible by the pipeline stages × "
         f"train.pipeline_repeats ({n_stages} × {repeats} = {n_stages * repeats}); change the "
         f"`stage` mesh axis or train.pipeline_repeats")
-  if batch % microbatches:
+  if batch is not None and batch % microbatches:
     raise ConfigError(f"the batch ({batch} rows) must be divisible by train.microbatches "
                       f"({microbatches}), the pipeline's microbatches")
   if repeats > 1 and microbatches < n_stages:
@@ -72,7 +74,31 @@ def check(n_layers: int, n_stages: int, repeats: int, microbatches: int, batch: 
 
 def bubble(n_stages: int, microbatches: int, repeats: int = 1) -> float:
   """The fraction of a step each stage idles: (S − 1) / (R·M + S − 1)."""
-  return (n_stages - 1) / (repeats * microbatches + n_stages - 1)
+  return (n_stages - 1) / iterations(n_stages, microbatches, repeats)
+
+
+def iterations(n_stages: int, microbatches: int, repeats: int = 1) -> int:
+  """T = R·M + S − 1: the schedule's loop length (the last microbatch's last repeat enters
+  stage 0 at R·M − 1 and needs S − 1 more iterations to reach the last stage)."""
+  return repeats * microbatches + n_stages - 1
+
+
+def _slot(t, stage, microbatches: int, repeats: int):
+  """What `stage` runs at iteration t: (real work?, repeat r, microbatch m). The loop and
+  `occupancy` share this, so the structural check reads the schedule that runs; works on
+  Python ints, NumPy and traced arrays alike."""
+  total = repeats * microbatches
+  u = t - stage  # microbatch-repeat u entered stage 0 at iteration u
+  valid = (u >= 0) & (u < total)
+  u = jnp.clip(u, 0, total - 1)  # bubble slots compute on a clamped index; dropped later
+  return valid, u // microbatches, u % microbatches
+
+
+def occupancy(n_stages: int, microbatches: int, repeats: int = 1):
+  """T × S booleans: whether stage s does real work at iteration t (False: a bubble slot,
+  computing on zeros). Its mean is 1 − bubble."""
+  t = jnp.arange(iterations(n_stages, microbatches, repeats))[:, None]
+  return _slot(t, jnp.arange(n_stages)[None, :], microbatches, repeats)
 
 
 def _per_row(leaf, batch: int) -> bool:
@@ -149,10 +175,7 @@ def _schedule(layer, groups, x_MxbxLxD, leaves, rows, treedef, axis, n_stages, r
     slot = jnp.clip(back, 0, total - 1) % n_micro
     keep = (back >= 0) & (back < total)
     loop = _put(loop, slot, jnp.where(keep, held, _get(loop, slot)))
-    u = t - stage
-    valid = (u >= 0) & (u < total)
-    u = jnp.clip(u, 0, total - 1)
-    r, m = u // n_micro, u % n_micro
+    valid, r, m = _slot(t, stage, n_micro, repeats)
     fresh = jnp.where(r == 0, _get(x_MxbxLxD, m), _get(loop, m))
     y = apply_group(jnp.where(stage == 0, fresh, held), r, m)
     last = valid & (stage == n_stages - 1) & (r == repeats - 1)
@@ -161,7 +184,7 @@ def _schedule(layer, groups, x_MxbxLxD, leaves, rows, treedef, axis, n_stages, r
 
   zeros = jnp.zeros_like(x_MxbxLxD)
   carry = (zeros[0], zeros, zeros)
-  steps = jnp.arange(total + n_stages - 1)
+  steps = jnp.arange(iterations(n_stages, n_micro, repeats))
   return jax.lax.scan(iteration, carry, steps)[0][2]
 
 
@@ -182,8 +205,7 @@ def layers_per_stage(n_layers: int, n_stages: int, repeats: int = 1) -> list[lis
 
 def describe(n_layers: int, n_stages: int, repeats: int, microbatches: int) -> str:
   kind = "gpipe" if repeats == 1 else f"circular×{repeats}"
-  iterations = repeats * microbatches + n_stages - 1
   return (f"{kind}: {n_stages} stages × {n_layers // n_stages} layers, {microbatches} "
-          f"microbatches, {iterations} iterations, bubble "
+          f"microbatches, {iterations(n_stages, microbatches, repeats)} iterations, bubble "
           f"{bubble(n_stages, microbatches, repeats):.1%}")
 

@@ -2,7 +2,8 @@
 gradients and AdamW steps for GPipe and circular schedules over 2, 4 and 8 stages, combined
 with fsdp, tensor and data parallelism inside a stage, and under full remat; its compiled
 step moves activations with collective-permutes and never gathers another stage's layer
-weights; a checkpoint moves between stage counts; a bad layer count gets a clear error.
+weights; the eval step runs the run's schedule; a checkpoint moves between stage counts; a bad
+layer count gets a clear error.
 """
 
 import dataclasses
@@ -97,6 +98,37 @@ def test_pipeline_gradients_match_one_device(case):
   loss, got = grads(run(case), (microbatches, repeats))
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
   H.assert_trees_close(got, want, what=f"{case} grads", **FP32)
+
+
+def scan_lengths(jaxpr) -> list[int]:
+  """The length of every lax.scan in a jaxpr, nested ones (shard_map, jit, scan bodies)
+  included."""
+  out = []
+  for eqn in getattr(jaxpr, "eqns", None) or jaxpr.jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      out.append(eqn.params["length"])
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+          out += scan_lengths(sub)
+  return out
+
+
+def test_eval_step_runs_the_runs_schedule_and_matches_one_device():
+  """Held-out loss under a circular pipeline: the train step's microbatches and repeats (its
+  loop is R·M + S − 1 long, not the S of a one-microbatch GPipe), and one device's loss."""
+  case = "circular-stage4-fsdp2"
+  _, _, microbatches, repeats = CASES[case]
+  r, one = run(case), H.run("dp", "data:1", model=MODEL)
+  init = reference()[0]
+  got_step = run_lib.make_steps(r.cfg, r.abstract, r.sh)[1]
+  want_step = run_lib.make_steps(one.cfg, one.abstract, one.sh)[1]
+  params = r.fresh_state(like=init).params
+  traced = got_step.trace(params, r.batch(0)).jaxpr
+  assert pipeline.iterations(4, microbatches, repeats) in scan_lengths(traced)
+  got = got_step(params, r.batch(0))
+  want = want_step(one.fresh_state(like=init).params, one.batch(0))
+  np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
 def layer_weight_bytes(r: H.Run) -> int:

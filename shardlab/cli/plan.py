@@ -11,8 +11,8 @@ from shardlab.models import registry
 from shardlab.plan import auto as plan_auto
 from shardlab.plan import auto_layout
 from shardlab.plan import compile as plan_compile, experts as plan_experts
-from shardlab.plan import longest_context
-from shardlab.plan import planner as plan_lib
+from shardlab.plan import pipeline as plan_pipeline
+from shardlab.plan import longest_context, planner as plan_lib
 from shardlab.plan import plot as plan_plot
 from shardlab.runtime import hardware
 from shardlab.sharding import mesh as mesh_lib
@@ -90,8 +90,7 @@ def request_from_args(args):
     target = acc if acc in hardware.ACCELERATORS else "h100-80g"
   return plan_lib.Request(
       model=args.model, optimizer=args.optimizer, precision=args.precision,
-      grad_dtype=args.grad_dtype,
-      global_batch=args.global_batch, seq_len=args.seq_len, remat=args.remat,
+      grad_dtype=args.grad_dtype, global_batch=args.global_batch, seq_len=args.seq_len, remat=args.remat,
       microbatches=args.microbatches, strategy=args.strategy, mesh=args.mesh,
       devices=args.devices, target=target, rules=cfg.rules, offload=cfg.train.offload,
       lora=cfg.lora, pipeline_repeats=cfg.train.pipeline_repeats)
@@ -247,7 +246,8 @@ def _min_device_lines(result) -> list[str]:
                  f"--microbatches {any_m['microbatches']} ({any_m['strategy']}: "
                  f"{any_m['mesh']}, {any_m['step_s']:.1f} s per step)")
   return lines + ["  " + "   ".join(f"{s} {v['devices'] if v else '-'}"
-                                    for s, v in mins.items() if s in plan_lib.STRATEGIES)]
+                                    for s, v in mins.items() if s in plan_lib.STRATEGIES),
+                  "  " + plan_pipeline.MIN_DEVICES_NOTE]
 
 
 def _time_lines(result) -> list[str]:
@@ -297,4 +297,4 @@ def _search_lines(result, top: int) -> list[str]:
   for x in result.search[:top]:
     lines.append(f"  {x.strategy:8s} {x.mesh:34s} {x.memory.total / GiB:6.2f}GiB "
                  f"{x.step_s * 1e3:8.1f}ms {x.mfu:6.1%} {x.mfu_ceiling:7.1%}  {x.binding}")
-  return lines
+  return lines + plan_pipeline.versus(result.search)

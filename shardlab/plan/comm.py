@@ -83,10 +83,12 @@ RECOMPUTE_ALL = ("full", "offload")
 
 
 def param_transfers(abstract, rules: rules_lib.Rules, mesh, policy, microbatches: int,
-                    tied: bool, backend: Backend) -> list[Transfer]:
+                    tied: bool, backend: Backend,
+                    layer_uses: float | None = None) -> list[Transfer]:
   """Weight gathers (ZeRO-1/2's working copy once per step, FSDP's per use), gradient
   reductions, and a gather after the update where the optimizer's shards are finer than the
-  stored weights, per leaf."""
+  stored weights, per leaf. Uses per step: `microbatches`; `layer_uses` for stacked layers
+  (a pipeline stage's once per iteration: shardlab.plan.pipeline.passes)."""
   names = {path_of(p): n for p, n in
            _flat(abstract.names, is_leaf=lambda x: isinstance(x, tuple))}
   batch = {a for a in rules.token_axes if mesh.shape.get(a, 1) > 1}
@@ -115,33 +117,44 @@ def param_transfers(abstract, rules: rules_lib.Rules, mesh, policy, microbatches
     # tied, it is gathered once more as the head. Layers: forward and backward. Other
     # weights: once, kept for the backward.
     local = table and not c_axes
-    uses = 2 if n and n[0] == "layers" else (0 if local else 1) + (1 if table and tied else 0)
+    stacked = bool(n) and n[0] == "layers"
+    times = layer_uses if stacked and layer_uses is not None else microbatches
+    uses = 2 if stacked else (0 if local else 1) + (1 if table and tied else 0)
     if gather and uses:
-      out.append(Transfer("all-gather", uses * microbatches * c_elems * wire, gather,
+      out.append(Transfer("all-gather", uses * times * c_elems * wire, gather,
                           f"{label} for compute"))
-    # A local lookup's gradient is scattered into the stored shard, reduced only over the
-    # batch axes that shard does not split; any other gradient over those its compute layout
-    # does not. A tied table gets two (the lookup's and the head's); XLA sums them before
-    # reducing when they reduce alike onto a finer sharding than they are computed in
-    # (ZeRO-2, fsdp_tp), else reduces each on its own (dp, tp).
     trains = key not in frozen  # a frozen param has no gradient and no update
-    grads = []
-    if table and trains:
-      grads.append((batch - w_axes, elems // _shards(w_axes, mesh)) if local else
-                   (batch - c_axes, c_elems))
-    if trains and (not table or tied):
-      grads.append((batch - c_axes, c_elems))
-    if len(grads) == 2 and grads[0][0] == grads[1][0] and (g_axes - c_axes) & batch:
-      grads = grads[1:]
+    grads = _gradients(table, local, tied, batch, (w_axes, c_axes, g_axes),
+                       (elems // _shards(w_axes, mesh), c_elems)) if trains else []
     for reduce, g_elems in grads:
       if reduce:
-        out.extend(_reduction(reduce, g_axes, g_elems * wire * microbatches, mesh,
+        out.extend(_reduction(reduce, g_axes, g_elems * wire * times, mesh,
                               reduce_scatter, f"{label} grad"))
     regather = tuple(sorted(a for a in o_axes - p_axes if mesh.shape[a] > 1))
     if regather and trains:
       out.append(Transfer("all-gather", elems // _shards(p_axes, mesh) * pbytes, regather,
                           f"{label} after the update"))
   return out
+
+
+def _gradients(table: bool, local: bool, tied: bool, batch: set, axes: tuple,
+               elems: tuple) -> list[tuple[set, int]]:
+  """(axes its partial sums are reduced over, elements) of each gradient of a trained weight;
+  `axes` its (working, compute, gradient) axes, `elems` its working and compute elements.
+  A local lookup's gradient is scattered into the stored shard, reduced only over the batch
+  axes that shard does not split; any other gradient over those its compute layout does
+  not. A tied table gets two (the lookup's and the head's); XLA sums them before reducing
+  when they reduce alike onto a finer sharding than they are computed in (ZeRO-2,
+  fsdp_tp), else reduces each on its own (dp, tp)."""
+  (w_axes, c_axes, g_axes), (w_elems, c_elems) = axes, elems
+  grads = []
+  if table:
+    grads.append((batch - w_axes, w_elems) if local else (batch - c_axes, c_elems))
+  if not table or tied:
+    grads.append((batch - c_axes, c_elems))
+  if len(grads) == 2 and grads[0][0] == grads[1][0] and (g_axes - c_axes) & batch:
+    grads = grads[1:]
+  return grads
 
 
 def _reduction(reduce: set, g_axes: set, g_bytes: float, mesh, reduce_scatter: bool,
@@ -187,9 +200,11 @@ def context_transfers(m, a: ActivationShapes, rules: rules_lib.Rules, mesh, p: i
 
 
 def activation_transfers(m, a: ActivationShapes, rules: rules_lib.Rules, mesh,
-                         p: int, remat: str, microbatches: int) -> list[Transfer]:
+                         p: int, remat: str, microbatches: int,
+                         layer_runs: float | None = None) -> list[Transfer]:
   """Tensor-parallel all-reduces of the residual stream (Megatron's f/g operators) and
-  context parallelism's KV exchange."""
+  context parallelism's KV exchange. `layer_runs`: layer applications per device, each on
+  one microbatch (default: n_layers × microbatches; fewer on a pipeline's stage)."""
   out = context_transfers(m, a, rules, mesh, p, remat, microbatches)
   tensor = tuple(sorted(a_ for a_ in rules_lib._axes(rules.activations.get("heads"))
                         if mesh.shape.get(a_, 1) > 1))
@@ -199,7 +214,8 @@ def activation_transfers(m, a: ActivationShapes, rules: rules_lib.Rules, mesh,
   # gradient on its own (q, k, v; gate, up) rather than summing them first. Full remat
   # repeats the o-proj one (the layer's output itself is not needed again).
   per_layer = 2 + 5 + (1 if remat in RECOMPUTE_ALL else 0)
-  out += [Transfer("all-reduce", m.n_layers * per_layer * a.d * p * microbatches, tensor,
+  runs = m.n_layers * microbatches if layer_runs is None else layer_runs
+  out += [Transfer("all-reduce", runs * per_layer * a.d * p, tensor,
                   "attention/MLP outputs and input grads")]
   vocab = tuple(sorted(a_ for a_ in rules_lib._axes(rules.activations.get("vocab"))
                        if mesh.shape.get(a_, 1) > 1))

@@ -173,7 +173,8 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
   p = jnp.dtype(policy.compute_dtype).itemsize
   be = plan_comm.BACKENDS[backend or acc.kind]
   grad_dtype = precision_lib.gradient_dtype(policy, train.grad_dtype)
-  state = state_bytes.model_state(abstract, sh, policy, train.microbatches, grad_dtype,
+  uses = plan_pipeline.passes(model, train, rules, mesh)  # a pipeline loops on its own
+  state = state_bytes.model_state(abstract, sh, policy, uses.looped, grad_dtype,
                                   train.offload)
   gathered, head_gathered = _gathered_bytes(abstract, rules, mesh, p)
   acts, batch_bytes, shapes = plan_memory.activation_memory(model, train, p, rules.activations,
@@ -181,11 +182,11 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
   offloaded_acts = plan_memory.offloaded_activation_bytes(model, shapes, p, train.remat)
   memory = plan_memory.Memory(activations=acts, gathered=gathered, batch=batch_bytes,
                               **dict(state, host=state["host"] + offloaded_acts))
-  transfers = (plan_comm.param_transfers(abstract, rules, mesh, policy,
-                                         train.microbatches, model.tie_embeddings, be) +
-               plan_comm.activation_transfers(model, shapes, rules, mesh,
-                                              p if be.compute_dtype_collectives else 4,
-                                              train.remat, train.microbatches))
+  transfers = (plan_comm.param_transfers(abstract, rules, mesh, policy, uses.looped,
+                                         model.tie_embeddings, be, uses.layer_uses) +
+               plan_comm.activation_transfers(
+                   model, shapes, rules, mesh, p if be.compute_dtype_collectives else 4,
+                   train.remat, train.microbatches, uses.layer_runs))
   tokens_per_device = _tokens_per_device(req, rules, mesh)
   flops = (plan_comm.hardware_flops_per_token(model, req.seq_len, req.remat) -
            _frozen_weight_grad_flops(model, req.lora)) * tokens_per_device
@@ -211,7 +212,7 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
       mfu_ceiling=model_flops / (ceiling_s * acc.peak_flops), efficiency=acc.efficiency,
       tokens_per_s=req.global_batch * req.seq_len / step_s,
       host_transfer_bytes=host_bytes, host_s=terms["host transfers"],
-      accounting=state_bytes.state_accounting(abstract, sh, state, policy, train.microbatches,
+      accounting=state_bytes.state_accounting(abstract, sh, state, policy, uses.looped,
                                               grad_dtype), pipeline=pipe)
 
 
@@ -246,6 +247,7 @@ def _gathered_bytes(abstract, rules, mesh, p: int) -> tuple[float, float]:
   names = jax.tree.leaves(abstract.names, is_leaf=lambda x: isinstance(x, tuple))
   read = rules.activations if rules.working is None else rules.working
   layer, outer = 0.0, [0.0]
+  stages = rules_lib.pipeline_stages(rules, mesh)  # a stage holds 1/stages of the layers
   for n, leaf in zip(names, jax.tree.leaves(abstract.state.params)):
     p_axes = plan_comm._axes(rules_lib.spec(n, leaf.shape, rules.params, mesh, "param"))
     c_axes = plan_comm._axes(rules_lib.spec(n, leaf.shape, read, mesh, "param"))
@@ -255,7 +257,7 @@ def _gathered_bytes(abstract, rules, mesh, p: int) -> tuple[float, float]:
     if rules.working is not None:
       outer.append(elems * p if n[0] == "layers" else 0)
     elif n[0] == "layers":
-      layer += elems * p / leaf.shape[0]
+      layer += elems * p * stages / leaf.shape[0]
     else:
       outer.append(elems * p)
   return 2 * layer + max(outer), max(outer)

@@ -16,6 +16,12 @@ With S stages, R repeats, M microbatches of b rows and N = S·R·K layers:
                 groups and the gradients back: (S − 1)/S of a stage's layer weights need to
                 move each way; XLA (seen on CPU) does it with an all-to-all and a permute of
                 all of them, 4× the stage's layer bytes per step, which is what is counted.
+  weight traffic the step does not loop over microbatches (the pipeline does), so weights
+                outside the layers are gathered and their gradients reduced once per step;
+                a stage's layer weights are used once per iteration, K layers at a time
+                (T/R passes over its N/S layers), and XLA gathers them (fsdp) and reduces
+                their gradients inside the loop, per iteration — not per microbatch (seen in
+                the compiled step: tests/test_pipeline_plan.py). `passes` gives the counts.
 Weights need nothing here: the rules put `layers` on `stage`, so the state's shardings
 already divide the layers' bytes by S.
 """
@@ -52,6 +58,27 @@ class Pipeline:
             "point_to_point": sum(t.bytes for t in self.transfers)}
 
 
+@dataclasses.dataclass(frozen=True)
+class Passes:
+  """How often a step uses each weight, for the planner's collective counts."""
+  looped: int  # microbatches the train step loops over (each non-layer weight's uses)
+  layer_uses: float  # passes over a device's share of the stacked layers
+  layer_runs: float  # layer applications per device, each on one microbatch
+
+
+def passes(m, train, rules: rules_lib.Rules, mesh) -> Passes:
+  """Without a pipeline: M microbatches, each running all N layers. With one (S stages, R
+  repeats, T = R·M + S − 1 iterations): one pass of the step, and each stage runs one group
+  of K = N/(S·R) layers per iteration, T·K applications, T/R passes over its N/S layers."""
+  stages = rules_lib.pipeline_stages(rules, mesh)
+  micro = train.microbatches
+  if stages <= 1:
+    return Passes(micro, micro, m.n_layers * micro)
+  repeats = train.pipeline_repeats
+  iterations = pipeline.iterations(stages, micro, repeats)
+  return Passes(1, iterations / repeats, m.n_layers // (stages * repeats) * iterations)
+
+
 def estimate(m, train, rules: rules_lib.Rules, mesh, p: int, layer_bytes: float,
              platform: str = "cpu") -> Pipeline | None:
   """The pipeline of a run whose rules split `layers` over a mesh axis of > 1 devices (None
@@ -61,7 +88,7 @@ def estimate(m, train, rules: rules_lib.Rules, mesh, p: int, layer_bytes: float,
     return None
   repeats, micro = train.pipeline_repeats, train.microbatches
   pipeline.check(m.n_layers, stages, repeats, micro, train.global_batch)
-  iterations = repeats * micro + stages - 1
+  iterations = pipeline.iterations(stages, micro, repeats)
   per_group = m.n_layers // (stages * repeats)
   a = plan_memory.activation_shapes(m, train.global_batch // micro, train.seq_len,
                                     rules.activations, mesh, platform)
@@ -105,3 +132,36 @@ def fold(model, train, rules, mesh, p: int, abstract, sh, platform: str, memory,
   memory = dataclasses.replace(memory, activations=memory.activations - loop_saved
                                + pipe.activations)
   return memory, list(transfers) + list(pipe.transfers), compute_s / (1 - pipe.bubble), pipe
+
+
+# Printed under `shardlab plan`'s fewest-devices lines, which scan no `stage` axis.
+MIN_DEVICES_NOTE = (
+    "pipeline layouts are not part of this scan (`--search` weighs them, or give --mesh "
+    "stage:S,...): a pipeline stage keeps the saved tensors of all its microbatches in flight "
+    "(R·M + S − 1 iterations' worth, where a microbatch loop keeps one), so it seldom fits "
+    "where fsdp over the same devices does not")
+
+
+def versus(found: list) -> list[str]:
+  """Search output: the fastest layout with a pipeline beside the fastest without one, and
+  what decides between them ([] unless the search holds both)."""
+  staged = [e for e in found if e.pipeline is not None]
+  flat = [e for e in found if e.pipeline is None]
+  if not staged or not flat:
+    return []
+  p, f = staged[0], flat[0]
+  weights = sum(f.collectives.get(k, 0.0) for k in ("all-gather", "reduce-scatter",
+                                                      "all-reduce"))
+  lines = ["", "pipeline or not (the fastest of each):",
+           f"  with stages {p.strategy} {p.mesh}: {p.step_s * 1e3:.1f} ms = compute "
+           f"stretched by the {p.pipeline.schedule} bubble ({p.pipeline.bubble:.1%}); comm "
+           f"{p.comm_s * 1e3:.1f} ms",
+           f"  without     {f.strategy} {f.mesh}: {f.step_s * 1e3:.1f} ms, bound by "
+           f"{f.binding}; comm {f.comm_s * 1e3:.1f} ms for {weights / 2**30:.1f} GiB of weight "
+           f"gathers and gradient reductions per device"]
+  if p.step_s >= f.step_s:
+    return lines + ["  no pipeline wins: its bubble costs more than the communication it saves"]
+  where = "DCN" if "dcn" in f.mesh else "between devices"
+  return lines + [f"  the pipeline wins: it sends only activations between neighbouring "
+                  f"stages, while without one weight gathers and gradient reductions cross "
+                  f"{where} for every microbatch"]

@@ -15,7 +15,7 @@ def lines(n_layers: int | None, rules: rules_lib.Rules, mesh, microbatches: int,
   n = stages(rules, mesh)
   if n <= 1 or n_layers is None:
     return []
-  pipeline.check(n_layers, n, repeats, microbatches, microbatches)
+  pipeline.check(n_layers, n, repeats, microbatches)
   placed = pipeline.layers_per_stage(n_layers, n, repeats)
   return [f"pipeline {pipeline.describe(n_layers, n, repeats, microbatches)}",
           "         layers by stage: " + "; ".join(
