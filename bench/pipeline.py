@@ -6,7 +6,9 @@
 For each stage count S (mesh stage:S,data:8/S, strategy dp), microbatch count M and schedule
 (repeats R = 1 GPipe, R > 1 circular): the median of `--steps` train steps of a 16-layer
 micro Llama (d_model 128, batch 128 × 16 tokens, fp32) after one warm-up step, beside
-`bubble` = (S − 1)/(R·M + S − 1), the planner's figure.
+`bubble` = (S − 1)/(R·M + S − 1), the planner's figure, and `useful`: the fraction of
+(stage, iteration) slots of the schedule that runs (models/pipeline.occupancy, the index
+arithmetic the loop itself uses) doing real work, which should equal 1 − bubble.
 
 How to read it here: simulated devices share this machine's cores, so an idle stage frees
 nothing; bubble iterations run their layers on zeros (models/pipeline.py), so a step costs
@@ -87,7 +89,7 @@ def main() -> None:
   args = p.parse_args()
   rows, base = [], {}
   print(f"{'stages':>6} {'micro':>5} {'schedule':>11} {'step ms':>8} {'bubble':>7} "
-        f"{'work/ideal':>10} {'measured':>8}")
+        f"{'useful':>7} {'work/ideal':>10} {'measured':>8}")
   for m in args.microbatches:
     for s in args.stages:
       for r in args.repeats:
@@ -96,12 +98,14 @@ def main() -> None:
         t = step_time(s, m, r, args.steps)
         base.setdefault(m, t if s == 1 else None)
         bubble = pipeline.bubble(s, m, r)
+        useful = float(pipeline.occupancy(s, m, r)[0].mean())  # structural: slots at work
         measured = t / base[m] if base.get(m) else float("nan")
         row = dict(stages=s, microbatches=m, repeats=r, step_s=t, bubble=bubble,
-                   work_over_ideal=1 / (1 - bubble), measured_over_stage1=measured)
+                   useful_slots=useful, work_over_ideal=1 / (1 - bubble),
+                   measured_over_stage1=measured)
         rows.append(row)
         kind = "gpipe" if r == 1 else f"circular×{r}"
-        print(f"{s:>6} {m:>5} {kind:>11} {t * 1e3:>8.1f} {bubble:>7.1%} "
+        print(f"{s:>6} {m:>5} {kind:>11} {t * 1e3:>8.1f} {bubble:>7.1%} {useful:>7.1%} "
               f"{1 / (1 - bubble):>10.2f} {measured:>8.2f}", flush=True)
   if args.json:
     Path(args.json).write_text(json.dumps(rows, indent=2))
