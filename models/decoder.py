@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from flax import nnx, struct
 
+from shardlab.errors import ConfigError
 from shardlab.models import attention, context, dot, pipeline
 from shardlab.sharding.activations import constrain, pipeline_schedule, platform
 from shardlab.sharding.params import param
@@ -174,6 +175,9 @@ def scan_blocks(blocks: nnx.Module, x_BxLxD, cache: KVCache | None, remat: str, 
     def stage_layer(x, layer_state, layer_args):
       return nnx.merge(graphdef, layer_state)(x, *layer_args, None)[0]
 
+    if remat == "offload":  # XLA:CPU aborts compiling host transfers in the pipeline loop
+      raise ConfigError("train.remat=offload does not run in a pipeline (layers split over "
+                        "`stage`); use train.remat=full there")
     if remat != "none":
       stage_layer = jax.checkpoint(stage_layer, policy=REMAT_POLICIES[remat],
                                    prevent_cse=False)

@@ -127,6 +127,15 @@ def pipeline_split(shardings: Shardings, microbatches: int, repeats: int = 1):
   return microbatches, (1, 1)
 
 
+def _check_options(nonfinite: str, shardings: Shardings) -> None:
+  if nonfinite not in NONFINITE_POLICIES:
+    raise unknown("train.nonfinite", nonfinite, NONFINITE_POLICIES)
+  if shardings.offloaded and rules_lib.pipeline_stages(shardings.rules, shardings.mesh) > 1:
+    # XLA:CPU aborts compiling it (an invalid copy instruction); refused rather than risked.
+    raise ConfigError("train.offload=opt_state does not run with a pipeline (layers split "
+                      "over `stage`); use train.offload=none there")
+
+
 def make_train_step(loss_fn: LossFn, abstract: Abstract, shardings: Shardings, *,
                     microbatches: int = 1, lr_schedule: optax.Schedule | None = None,
                     grad_dtype: str = "auto", nonfinite: str = "stop",
@@ -136,10 +145,8 @@ def make_train_step(loss_fn: LossFn, abstract: Abstract, shardings: Shardings, *
   schedule, lr. `grad_dtype`: "auto", "fp32" or "bf16" (see precision.gradient_dtype).
   `nonfinite`: "stop" applies every update (the caller stops on `finite`); "skip" keeps the
   params and optimizer state of a non-finite step as they were and reports skipped = 1."""
-  if nonfinite not in NONFINITE_POLICIES:
-    raise unknown("train.nonfinite", nonfinite, NONFINITE_POLICIES)
+  _check_options(nonfinite, shardings)
   dtype = precision.gradient_dtype(abstract.policy, grad_dtype)
-
   loss = working_loss(loss_fn, abstract)
   # Gradients only for the trainable params: a frozen one (a LoRA base) gets no weight-
   # gradient matmul at all, since nothing reads it.
