@@ -42,6 +42,8 @@ def test_planned_memory_matches_the_compiled_moe_step(dispatch, strategy, mesh, 
   assert ratio["state"] == pytest.approx(1, abs=0.02), ratio
   low, high = CASES[(dispatch, strategy, mesh)]
   assert low <= ratio["total"] <= high, ratio
+  # The dispatch's all-to-alls are in the planned collectives (so in the step time).
+  assert ratio["all-to-all"] == pytest.approx(1, abs=0.10), ratio
 
 
 def test_expert_figures():

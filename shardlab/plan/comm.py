@@ -30,7 +30,7 @@ from shardlab.training.state import path_of
 from shardlab.runtime.hardware import Accelerator
 from shardlab.plan.memory import ActivationShapes
 
-KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
 EMBEDDING = ("vocab", "embed")  # a tied table: looked up and used as the output head
 
 

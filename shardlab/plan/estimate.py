@@ -16,6 +16,7 @@ from shardlab.runtime import hardware
 from shardlab.sharding import mesh as mesh_lib
 from shardlab.training import precision as precision_lib
 from shardlab.plan import comm as plan_comm
+from shardlab.plan import experts as plan_experts
 from shardlab.plan import memory as plan_memory
 from shardlab.plan import pipeline as plan_pipeline
 from shardlab.plan import state_bytes
@@ -182,11 +183,8 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
   offloaded_acts = plan_memory.offloaded_activation_bytes(model, shapes, p, train.remat)
   memory = plan_memory.Memory(activations=acts, gathered=gathered, batch=batch_bytes,
                               **dict(state, host=state["host"] + offloaded_acts))
-  transfers = (plan_comm.param_transfers(abstract, rules, mesh, policy, uses.looped,
-                                         model.tie_embeddings, be, uses.layer_uses) +
-               plan_comm.activation_transfers(
-                   model, shapes, rules, mesh, p if be.compute_dtype_collectives else 4,
-                   train.remat, train.microbatches, uses.layer_runs))
+  transfers = _transfers(model, req, train, rules, mesh, policy, abstract, be, uses, shapes,
+                         p)
   tokens_per_device = _tokens_per_device(req, rules, mesh)
   flops = (plan_comm.hardware_flops_per_token(model, req.seq_len, req.remat) -
            _frozen_weight_grad_flops(model, req.lora)) * tokens_per_device
@@ -214,6 +212,18 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
       host_transfer_bytes=host_bytes, host_s=terms["host transfers"],
       accounting=state_bytes.state_accounting(abstract, sh, state, policy, uses.looped,
                                               grad_dtype), pipeline=pipe)
+
+
+def _transfers(model, req: Request, train, rules, mesh, policy, abstract, be, uses, shapes,
+               p: int) -> list:
+  """Every collective of the step: the weights', the activations' and the experts'."""
+  wire = p if be.compute_dtype_collectives else 4  # XLA:CPU moves bf16 as fp32
+  return (plan_comm.param_transfers(abstract, rules, mesh, policy, uses.looped,
+                                    model.tie_embeddings, be, uses.layer_uses) +
+          plan_comm.activation_transfers(model, shapes, rules, mesh, wire, train.remat,
+                                         train.microbatches, uses.layer_runs) +
+          plan_experts.transfers(model, rules, mesh, req.global_batch, req.seq_len, wire,
+                                 train.remat))
 
 
 def _tokens_per_device(req: Request, rules: rules_lib.Rules, mesh) -> float:

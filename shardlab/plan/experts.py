@@ -18,6 +18,7 @@ import math
 
 import jax.numpy as jnp
 
+from shardlab.plan import comm as plan_comm
 from shardlab.sharding import rules as rules_lib
 from shardlab.training import precision as precision_lib
 
@@ -43,22 +44,44 @@ def figures(model, strategy: str, rule_overrides, mesh_shape: dict, global_batch
     return None
   rules = rules_lib.strategy(strategy, rule_overrides)
   mesh = _ShapeOnly(mesh_shape)
-  n, d, f = model.n_layers, model.d_model, model.mlp_dim
-  stored = rules_lib.spec(EXPERT_WEIGHT, (n, model.n_experts, d, f), rules.params, mesh,
+  stored = rules_lib.spec(EXPERT_WEIGHT, _expert_shape(model), rules.params, mesh,
                           "expert weights")
-  split = rules_lib.spec(EXPERT_WEIGHT, (n, model.n_experts, d, f), rules.activations, mesh,
-                         "expert weights")
-  ep = _factor(split[1] if len(split) > 1 else None, mesh_shape)
+  ep, _, moved = _dispatch(model, rules, mesh_shape, global_batch, seq_len, act_bytes, remat)
+  per_device = model.n_expert_params / math.prod(_factor(e, mesh_shape) for e in stored)
+  return Experts(model.n_params, model.n_active_params, ep, per_device * param_bytes, moved)
+
+
+def transfers(model, rules: rules_lib.Rules, mesh, global_batch: int, seq_len: int,
+              act_bytes: int, remat: str) -> list[plan_comm.Transfer]:
+  """The dispatch's all-to-alls as a transfer over the expert axes (none for a dense model
+  or experts on every device), so the step time counts them."""
+  if not is_moe(model):
+    return []
+  ep, axes, moved = _dispatch(model, rules, dict(mesh.shape), global_batch, seq_len,
+                              act_bytes, remat)
+  return [plan_comm.Transfer("all-to-all", moved, axes, "expert dispatch")] if moved else []
+
+
+def _expert_shape(model) -> tuple:
+  return (model.n_layers, model.n_experts, model.d_model, model.mlp_dim)
+
+
+def _dispatch(model, rules, mesh_shape: dict, global_batch: int, seq_len: int,
+              act_bytes: int, remat: str) -> tuple[int, tuple, float]:
+  """(expert-parallel degree, its mesh axes, all-to-all bytes per device per step)."""
+  split = rules_lib.spec(EXPERT_WEIGHT, _expert_shape(model), rules.activations,
+                         _ShapeOnly(mesh_shape), "expert weights")
+  entry = split[1] if len(split) > 1 else None
+  axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+  ep = _factor(entry, mesh_shape)
   tokens = global_batch * seq_len / math.prod(mesh_shape.get(a, 1) for a in rules.token_axes)
-  k = model.experts_per_token
   if model.dispatch == "capacity":
     rows = model.n_experts * model.capacity(int(tokens))
   else:
-    rows = ep * k * tokens
-  passes = 6 if remat == "full" else 4
-  moved = 0.0 if ep == 1 else passes * n * rows * d * act_bytes
-  per_device = model.n_expert_params / math.prod(_factor(e, mesh_shape) for e in stored)
-  return Experts(model.n_params, model.n_active_params, ep, per_device * param_bytes, moved)
+    rows = ep * model.experts_per_token * tokens
+  passes = 6 if remat in plan_comm.RECOMPUTE_ALL else 4
+  moved = 0.0 if ep == 1 else passes * model.n_layers * rows * model.d_model * act_bytes
+  return ep, axes, moved
 
 
 def for_plan(result) -> Experts | None:
