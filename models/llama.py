@@ -212,6 +212,14 @@ class Llama(nnx.Module):
     return logits(x, self.output_head()), cache
 
   def _forward(self, tokens_BxL, positions_BxL, cache: KVCache | None, segments_BxL=None):
+    x, layer_args, restore, end = self._inputs(tokens_BxL, positions_BxL, cache, segments_BxL)
+    x, cache_kv = scan_blocks(self.blocks, x, cache, self.remat, *layer_args)
+    x = restore(self.final_norm(x))
+    return x, None if cache is None else KVCache(*cache_kv, end)
+
+  def _inputs(self, tokens_BxL, positions_BxL, cache: KVCache | None, segments_BxL):
+    """(embedded tokens, the layers' extra inputs, the undo of context parallelism's
+    reordering, the cache index after these tokens)."""
     b, l = tokens_BxL.shape
     start = 0 if cache is None else cache.index
     if positions_BxL is None:
@@ -229,6 +237,4 @@ class Llama(nnx.Module):
     cos, sin = rope_tables(positions_BxL, self.cfg.head_dim, self.cfg.rope_theta,
                            rope.inverse_frequencies(self.cfg) if scaled else None)
     mask = None if doc else causal_mask(l, cache, start)
-    x, cache_kv = scan_blocks(self.blocks, x, cache, self.remat, cos, sin, mask, start, doc)
-    x = restore(self.final_norm(x))
-    return x, None if cache is None else KVCache(*cache_kv, start + l)
+    return x, (cos, sin, mask, start, doc), restore, start + l

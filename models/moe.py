@@ -13,11 +13,10 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
-from shardlab.models import context, experts, rope
+from shardlab.models import experts
 from shardlab.models.decoder import ACTIVATIONS, KVCache, LAYER_INPUT, REMAT_POLICIES
-from shardlab.models.decoder import causal_mask, embed
 from shardlab.models.decoder import stacked_param as _param
-from shardlab.models.llama import Attention, Llama, RMSNorm, rope_tables
+from shardlab.models.llama import Attention, Llama, RMSNorm
 from shardlab.sharding.activations import constrain
 
 
@@ -83,24 +82,7 @@ class MoE(Llama):
     return self._run(tokens_BxL, positions_BxL, cache, segments_BxL)[:2]
 
   def _run(self, tokens_BxL, positions_BxL, cache, segments_BxL):
-    b, l = tokens_BxL.shape
-    start = 0 if cache is None else cache.index
-    if positions_BxL is None:
-      positions_BxL = jnp.broadcast_to(start + jnp.arange(l), (b, l))
-    doc, restore = None, lambda x: x
-    shape = (b, l, self.cfg.d_model)
-    if cache is None and (segments_BxL is not None or context.split(context.RESIDUAL, shape)):
-      if segments_BxL is None:
-        segments_BxL = jnp.ones((b, l), jnp.int32)
-      (tokens_BxL, positions_BxL, segments_BxL), restore = context.zigzag(
-          shape, tokens_BxL, positions_BxL, segments_BxL)
-      doc = (positions_BxL, segments_BxL)
-    x = embed(self.embed_VxD[...], tokens_BxL)
-    scaled = self.cfg.rope_scaling != "none"
-    cos, sin = rope_tables(positions_BxL, self.cfg.head_dim, self.cfg.rope_theta,
-                           rope.inverse_frequencies(self.cfg) if scaled else None)
-    mask = None if doc else causal_mask(l, cache, start)
-    (x, totals), cache_kv = scan_blocks(self.blocks, x, cache, self.remat, cos, sin, mask,
-                                        start, doc)
+    x, layer_args, restore, end = self._inputs(tokens_BxL, positions_BxL, cache, segments_BxL)
+    (x, totals), cache_kv = scan_blocks(self.blocks, x, cache, self.remat, *layer_args)
     x = restore(self.final_norm(x))
-    return x, None if cache is None else KVCache(*cache_kv, start + l), totals
+    return x, None if cache is None else KVCache(*cache_kv, end), totals

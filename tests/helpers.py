@@ -9,6 +9,7 @@ import functools
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardlab import config
@@ -212,3 +213,21 @@ def shard_factor(spec: PartitionSpec, mesh) -> int:
       n *= mesh.shape[axis]
   return n
 
+
+def placed_model(model, strategy: str, mesh_text: str, precision: str = "fp32"):
+  """(cfg, mesh, rules, abstract, shardings) of `model` on a mesh ('data:1': one device)."""
+  cfg = config.Config(model=model, mesh=mesh_text, strategy=strategy,
+                      train=config.TrainConfig(precision=precision))
+  devices = jax.devices()[:1] if mesh_text == "data:1" else None
+  m = mesh_lib.build(mesh_lib.parse_inline(mesh_text), devices=devices)
+  r = rules_lib.strategy(strategy)
+  abstract = run_lib.abstract_state(cfg)
+  return cfg, m, r, abstract, state_lib.shardings(abstract, r, m)
+
+
+def model_logits(params, m, r, abstract, sh, tokens) -> np.ndarray:
+  """The module's forward on `tokens` with these params, sharded as `sh` places them."""
+  def forward(p, t):
+    with activation_rules(m, r):
+      return nnx.merge(abstract.graphdef, p)(t)
+  return np.asarray(jax.jit(forward, in_shardings=(sh.state.params, sh.batch))(params, tokens))

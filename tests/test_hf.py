@@ -9,7 +9,8 @@ import json
 import jax
 import numpy as np
 import pytest
-from flax import nnx
+
+import helpers as H
 
 try:
   import torch
@@ -23,12 +24,7 @@ from shardlab import config
 from shardlab.training import data
 from shardlab.hf import weights as hf
 from shardlab.hf import convert as hf_convert
-from shardlab.sharding import mesh as mesh_lib
-from shardlab.sharding import rules
-from shardlab.sharding.activations import activation_rules
-from shardlab.training import state
 from shardlab.models import registry
-from shardlab.training import run as run_lib
 
 # Llama-2 style (MHA), Llama-3 style (GQA, theta 500000, the larger vocab) and tied
 # embeddings. Heads, kv heads and vocab divide a 4-way tensor axis; d_model an 8-way fsdp.
@@ -78,22 +74,12 @@ def saved(tmp_path_factory):
 
 
 def placed(directory, placement: str = "1 device", precision: str = "fp32"):
-  strategy, mesh_text = PLACEMENTS[placement]
-  model = hf_convert.hf_model_config(directory)
-  cfg = config.Config(model=model, mesh=mesh_text, strategy=strategy,
-                      train=config.TrainConfig(precision=precision))
-  devices = jax.devices()[:1] if mesh_text == "data:1" else None
-  m = mesh_lib.build(mesh_lib.parse_inline(mesh_text), devices=devices)
-  r = rules.strategy(strategy)
-  abstract = run_lib.abstract_state(cfg)
-  return cfg, m, r, abstract, state.shardings(abstract, r, m)
+  return H.placed_model(hf_convert.hf_model_config(directory), *PLACEMENTS[placement],
+                        precision)
 
 
 def logits(params, m, r, abstract, sh) -> np.ndarray:
-  def forward(p, tokens):
-    with activation_rules(m, r):
-      return nnx.merge(abstract.graphdef, p)(tokens)
-  return np.asarray(jax.jit(forward, in_shardings=(sh.state.params, sh.batch))(params, TOKENS))
+  return H.model_logits(params, m, r, abstract, sh, TOKENS)
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)

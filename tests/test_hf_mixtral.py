@@ -9,7 +9,8 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from flax import nnx
+
+import helpers as H
 
 try:
   import torch
@@ -17,15 +18,11 @@ try:
 except ImportError as e:
   pytest.skip(f"needs the hf extra (pip install -e '.[hf]'): {e}", allow_module_level=True)
 
-from shardlab import cli, config
+from shardlab import cli
 from shardlab.hf import convert as hf_convert
 from shardlab.hf import weights as hf
 from shardlab.models import registry
-from shardlab.sharding import mesh as mesh_lib
-from shardlab.sharding import rules
-from shardlab.sharding.activations import activation_rules
-from shardlab.training import checkpoint, state
-from shardlab.training import run as run_lib
+from shardlab.training import checkpoint
 
 # 8 experts (an 8-way expert axis holds one each), 2 per token; d_model divides fsdp:8.
 MIXTRAL = dict(vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
@@ -60,23 +57,13 @@ def saved(tmp_path_factory):
 
 
 def placed(directory, placement: str, dispatch: str = "dropless"):
-  strategy, mesh_text = PLACEMENTS[placement]
   model = dataclasses.replace(hf_convert.hf_model_config(directory), dispatch=dispatch,
                               capacity_factor=4.0)  # E / K: room for every token
-  cfg = config.Config(model=model, mesh=mesh_text, strategy=strategy,
-                      train=config.TrainConfig(precision="fp32"))
-  devices = jax.devices()[:1] if mesh_text == "data:1" else None
-  m = mesh_lib.build(mesh_lib.parse_inline(mesh_text), devices=devices)
-  r = rules.strategy(strategy)
-  abstract = run_lib.abstract_state(cfg)
-  return cfg, m, r, abstract, state.shardings(abstract, r, m)
+  return H.placed_model(model, *PLACEMENTS[placement])
 
 
 def logits(params, m, r, abstract, sh) -> np.ndarray:
-  def forward(p, tokens):
-    with activation_rules(m, r):
-      return nnx.merge(abstract.graphdef, p)(tokens)
-  return np.asarray(jax.jit(forward, in_shardings=(sh.state.params, sh.batch))(params, TOKENS))
+  return H.model_logits(params, m, r, abstract, sh, TOKENS)
 
 
 def test_the_config_maps_to_a_moe_model(saved):
