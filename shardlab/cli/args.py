@@ -2,8 +2,10 @@
 
 import argparse
 import os
+import sys
 
 from shardlab import config as config_lib
+from shardlab.errors import ConfigError
 from shardlab.models import registry
 from shardlab.runtime import devices
 from shardlab.sharding import rules
@@ -49,3 +51,13 @@ def load_config(model: str, mesh: str, strategy: str, overrides: list[str] = (),
   cfg = config_lib.Config(model=registry.load(model), mesh=mesh, strategy=strategy)
   cfg = config_lib.set_values(cfg, {k: v for k, v in (values or {}).items() if v is not None})
   return config_lib.apply_overrides(cfg, list(overrides))
+
+
+def run_command(run, args) -> int:
+  """Runs a subcommand's `run(args)`: 0, or 2 with the ConfigError's one-line message."""
+  try:
+    run(args)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 from shardlab.runtime import devices
+from shardlab.cli.args import run_command
 from shardlab.errors import ConfigError
 
 EPILOG = """examples:
@@ -93,10 +94,4 @@ def _run(args) -> None:
 
 
 def convert_main(argv=None, prog: str = "shardlab convert") -> int:
-  args = convert_parser(prog).parse_args(argv)
-  try:
-    _run(args)
-  except ConfigError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  return 0
+  return run_command(_run, convert_parser(prog).parse_args(argv))

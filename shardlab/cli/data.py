@@ -4,6 +4,7 @@ BPE tokenizer (docs/data.md)."""
 import argparse
 import sys
 
+from shardlab.cli.args import run_command
 from shardlab.errors import ConfigError
 
 EPILOG = """examples:
@@ -71,10 +72,4 @@ def _run(args) -> None:
 
 
 def data_main(argv=None, prog: str = "shardlab data") -> int:
-  args = data_parser(prog).parse_args(argv)
-  try:
-    _run(args)
-  except ConfigError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  return 0
+  return run_command(_run, data_parser(prog).parse_args(argv))
