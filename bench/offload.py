@@ -18,6 +18,7 @@ the results as JSON.
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -74,8 +75,7 @@ def tpu_rows() -> list[dict]:
     cfg = config.apply_overrides(plan_compile.run_config(req, plan_compile._spec(req)),
                                  overrides)
     report = aot.compile_on_tpu(cfg, "v5e", 256)
-    req = plan.Request(**{**req.__dict__, "remat": cfg.train.remat,
-                          "offload": cfg.train.offload})
+    req = dataclasses.replace(req, remat=cfg.train.remat, offload=cfg.train.offload)
     est = plan.estimate(req, registry.load(model), plan.hardware.get("tpu-v5e"),
                         plan_compile._spec(req))
     row = {"model": model, "per_chip": per_chip, "option": name,
