@@ -10,9 +10,21 @@ and both gradient dots accumulate in fp32 too. TPUs and GPUs accumulate in fp32 
 the output dtype, and there an fp32 result would be materialised before the cast (a
 llama2-7b MLP weight gradient: 172 MiB instead of 86), so they are asked for the output
 dtype directly.
+
+On XLA:CPU the fast path depends on the host: with native bf16 instructions (AVX512-BF16,
+AMX, Arm BF16) it is bf16 × bf16 → fp32 (562 vs 138 GFLOP/s with a bf16 result on a host
+with AMX); without them a bf16 result is the fastest (2048³ on an AMD EPYC without
+AVX512-BF16: 75 GFLOP/s, against 53 for bf16 × bf16 → fp32 and 73 for an fp32 dot), and its
+error is that of rounding the exact product to bf16, so it accumulates in fp32 as a TPU
+does (XLA:CPU widens the operands to fp32 for it: a copy of each, which a dot whose operand
+is large, such as the output head's, can opt out of). There the output dtype is asked for
+directly, as on TPU and GPU. `/proc/cpuinfo` decides; `SHARDLAB_CPU_DOT=fp32|bf16` (accumulate into fp32 | ask for the output dtype)
+overrides it.
 """
 
 import functools
+import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -34,33 +46,61 @@ def _parse(spec: str) -> tuple[str, str, str]:
   return a, b, out
 
 
-def einsum(spec: str, a, b, out_dtype=None):
+def einsum(spec: str, a, b, out_dtype=None, copies: bool = True):
   """`jnp.einsum(spec, a, b)` accumulated in fp32, returned in `out_dtype` (default: the
-  operands' common dtype). Gradients flow back in the operands' dtypes."""
+  operands' common dtype). Gradients flow back in the operands' dtypes. `copies=False`
+  keeps XLA:CPU from widening the operands (forward and backward) on a host where that is
+  the faster path: for operands too large to copy."""
   _parse(spec)
   dtype = jnp.result_type(a, b)
-  return _einsum(spec, jnp.dtype(out_dtype or dtype), a.astype(dtype), b.astype(dtype))
+  return _einsum(spec, jnp.dtype(out_dtype or dtype), copies, a.astype(dtype),
+                 b.astype(dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _einsum(spec, out_dtype, a, b):
-  return _dot(spec, a, b, out_dtype)
+@functools.cache
+def _native_bf16() -> bool:
+  try:
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+  except OSError:  # not Linux: assume the fp32-result path, as before this check
+    return True
+  flags = {f for line in lines if line.startswith(("flags", "Features"))
+           for f in line.split(":", 1)[-1].split()}
+  return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
-def _dot(spec, a, b, out_dtype):
-  acc = jnp.float32 if platform() == "cpu" else out_dtype
+def cpu_result() -> str:
+  """What an XLA:CPU dot is asked for: "fp32" (then cast) on a CPU with native bf16
+  instructions, else "output" (the output dtype, as on TPU); SHARDLAB_CPU_DOT overrides."""
+  forced = os.environ.get("SHARDLAB_CPU_DOT", "")
+  if forced not in ("", "fp32", "bf16"):
+    raise ValueError(f"SHARDLAB_CPU_DOT={forced!r}; valid: fp32 (accumulate into fp32), "
+                     f"bf16 (ask for the output dtype), or unset (detect)")
+  if forced:
+    return "fp32" if forced == "fp32" else "output"
+  return "fp32" if _native_bf16() else "output"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _einsum(spec, out_dtype, copies, a, b):
+  return _dot(spec, a, b, out_dtype, copies)
+
+
+def _dot(spec, a, b, out_dtype, copies):
+  fp32 = platform() == "cpu" and (cpu_result() == "fp32" or not copies)
+  acc = jnp.float32 if fp32 else out_dtype
   return jnp.einsum(spec, a, b, preferred_element_type=acc).astype(out_dtype)
 
 
-def _forward(spec, out_dtype, a, b):
-  return _einsum(spec, out_dtype, a, b), (a, b)
+def _forward(spec, out_dtype, copies, a, b):
+  return _einsum(spec, out_dtype, copies, a, b), (a, b)
 
 
-def _backward(spec, out_dtype, residuals, g):
+def _backward(spec, out_dtype, copies, residuals, g):
   a, b = residuals
   sa, sb, so = _parse(spec)
   g = g.astype(a.dtype)
-  return _dot(f"{so},{sb}->{sa}", g, b, a.dtype), _dot(f"{sa},{so}->{sb}", a, g, b.dtype)
+  return (_dot(f"{so},{sb}->{sa}", g, b, a.dtype, copies),
+          _dot(f"{sa},{so}->{sb}", a, g, b.dtype, copies))
 
 
 _einsum.defvjp(_forward, _backward)

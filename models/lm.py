@@ -101,7 +101,9 @@ def _summed(x_BxCxD, head_DxV, t_BxC, w_BxC=None):
 
 
 def _summed_forward(x_BxCxD, head_DxV, t_BxC, w_BxC=None):
-  logits = constrain(dot.einsum("bcd,dv->bcv", x_BxCxD, head_DxV, jnp.float32),
+  # copies=False: an fp32 copy of the gathered V×D head (or of B×C×V logits' gradient)
+  # would be the step's largest buffer.
+  logits = constrain(dot.einsum("bcd,dv->bcv", x_BxCxD, head_DxV, jnp.float32, copies=False),
                      ACTIVATIONS["logits"])
   lse_BxC = jax.nn.logsumexp(logits, axis=-1)
   probs = jnp.exp(logits - lse_BxC[..., None]).astype(x_BxCxD.dtype)
@@ -117,8 +119,8 @@ def _summed_backward(residuals, g):
     g = g * w_BxC[..., None]
   d_logits = ((probs.astype(jnp.float32) - onehot) * g).astype(x_BxCxD.dtype)
   d_logits = constrain(d_logits, ACTIVATIONS["logits"])
-  d_x = dot.einsum("bcv,dv->bcd", d_logits, head_DxV)
-  d_head = dot.einsum("bcd,bcv->dv", x_BxCxD, d_logits)
+  d_x = dot.einsum("bcv,dv->bcd", d_logits, head_DxV, copies=False)
+  d_head = dot.einsum("bcd,bcv->dv", x_BxCxD, d_logits, copies=False)
   return d_x, d_head.astype(head_DxV.dtype), None, None if w_BxC is None else 0 * w_BxC
 
 

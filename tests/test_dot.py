@@ -28,19 +28,34 @@ def test_value_and_gradients_match_the_fp32_einsum(spec, a_shape, b_shape, dtype
     np.testing.assert_allclose(f32(g), r, atol=tol * float(jnp.max(jnp.abs(r))))
 
 
-def test_output_dtype_and_lowering():
+def _dots(fn, *args) -> list[str]:
+  hlo = jax.jit(fn).lower(*args).as_text()
+  return [l for l in hlo.splitlines() if "dot_general" in l and "=" in l]
+
+
+@pytest.mark.parametrize("result", ["fp32", "bf16"])
+def test_output_dtype_and_lowering(result, monkeypatch):
+  monkeypatch.setenv("SHARDLAB_CPU_DOT", result)
   a = jnp.ones((4, 8), jnp.bfloat16)
   b = jnp.ones((8, 2), jnp.bfloat16)
   assert dot.einsum("ij,jk->ik", a, b).dtype == jnp.bfloat16
   assert dot.einsum("ij,jk->ik", a, b, jnp.float32).dtype == jnp.float32
-  # Every dot of the step, forward and both gradients, multiplies bf16 by bf16 into fp32.
-  grad = jax.grad(lambda a, b: jnp.sum(dot.einsum("ij,jk->ik", a, b).astype(jnp.float32)),
-                  (0, 1))
-  hlo = jax.jit(grad).lower(a, b).as_text()
-  dots = [l for l in hlo.splitlines() if "dot_general" in l and "=" in l]
-  assert len(dots) == 2  # the forward dot is dead code under grad
-  assert all("bf16>, tensor<" in l and "-> tensor<" in l and "xf32>" in l.split("->")[-1]
-             for l in dots), dots
+  # Every dot of the step, forward and both gradients, multiplies bf16 by bf16: into fp32
+  # (a CPU with native bf16), or into the output dtype, as on TPU (a CPU without).
+  for copies, want in ((True, "f32" if result == "fp32" else "bf16"), (False, "f32")):
+    grad = jax.grad(lambda a, b: jnp.sum(dot.einsum("ij,jk->ik", a, b, copies=copies)
+                                         .astype(jnp.float32)), (0, 1))
+    dots = _dots(grad, a, b)
+    assert len(dots) == 2  # the forward dot is dead code under grad
+    assert all("bf16>, tensor<" in l and f"x{want}>" in l.split("->")[-1] for l in dots), dots
+
+
+def test_cpu_result_detects_or_takes_the_override(monkeypatch):
+  monkeypatch.delenv("SHARDLAB_CPU_DOT", raising=False)
+  assert dot.cpu_result() == ("fp32" if dot._native_bf16() else "output")
+  monkeypatch.setenv("SHARDLAB_CPU_DOT", "int8")
+  with pytest.raises(ValueError, match="SHARDLAB_CPU_DOT='int8'; valid: fp32"):
+    dot.cpu_result()
 
 
 @pytest.mark.parametrize("spec, why", [("ii,ij->ij", "repeated index"),
