@@ -198,8 +198,8 @@ def main():
              f"setting another --xla_force_host_platform_device_count?")
 
   results = {"backend": jax.default_backend(), "devices": jax.device_count(),
-             "steps": args.steps, "warmup": args.warmup, "cpu_dot": dot.cpu_operands()}
-  print(f"bf16 dot operands on this CPU: {results['cpu_dot']} (models/dot.py; "
+             "steps": args.steps, "warmup": args.warmup, "cpu_dot": dot.cpu_result()}
+  print(f"XLA:CPU dots asked for: {results['cpu_dot']} (models/dot.py; "
         f"SHARDLAB_CPU_DOT overrides)")
   if {"strategies", "flops"} & set(args.only):
     one_device = run_train(registry.load("tiny"), "data:1", "dp", args.batch, args.seq,
