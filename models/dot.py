@@ -18,8 +18,8 @@ AVX512-BF16: 75 GFLOP/s, against 53 for bf16 × bf16 → fp32 and 73 for an fp32
 error is that of rounding the exact product to bf16, so it accumulates in fp32 as a TPU
 does (XLA:CPU widens the operands to fp32 for it: a copy of each, which a dot whose operand
 is large, such as the output head's, can opt out of). There the output dtype is asked for
-directly, as on TPU and GPU. `/proc/cpuinfo` decides; `SHARDLAB_CPU_DOT=fp32|bf16` (accumulate into fp32 | ask for the output dtype)
-overrides it.
+directly, as on TPU and GPU. `/proc/cpuinfo` decides; `SHARDLAB_CPU_DOT=fp32` (accumulate
+into fp32) or `=bf16` (ask for the output dtype) overrides it.
 """
 
 import functools
