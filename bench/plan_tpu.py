@@ -2,11 +2,13 @@
 memory and compile time beside the planner's analytic figures and a reference trainer's.
 
   .venv/bin/python bench/plan_tpu.py [--only llama2-7b/v5e-256 ...] [--per-chip N]
-      [--json PATH]
+      [--set model.attention=flash ...] [--dump DIR] [--json PATH]
 
 Setup (the reference's): FSDP over all chips, one sequence of 2048 per chip (--per-chip to
 see how each grows with the batch), full remat, fp32 weights and Adam moments with bf16
-compute, plain XLA attention. tests/test_plan_tpu.py holds the v5e-256 rows within 15%.
+compute, plain XLA attention (`--set` changes any of it, e.g. `model.n_layers=2` for a
+quick look; `--dump DIR` writes XLA's buffer assignment per config, docs/performance.md
+says what to read). tests/test_plan_tpu.py holds the v5e-256 rows within 15%.
 Reference per-chip totals (argument + output − alias + temp), from another JAX trainer's AOT
 tool on this machine (jax 0.12, libtpu 0.0.50): llama2-7b v5e-256 2.95 GiB in ≈38 s,
 llama2-70b v5e-256 14.79 GiB in ≈43 s, llama2-7b v5p-8 (4 chips) 31.0 GiB.
@@ -25,6 +27,7 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shardlab import config  # noqa: E402
 from shardlab.models import registry  # noqa: E402
 from shardlab.plan import aot  # noqa: E402
 from shardlab.plan import compile as plan_compile  # noqa: E402
@@ -39,20 +42,22 @@ CONFIGS = {
 }
 
 
-def run(name: str, per_chip: int = 1) -> dict:
+def run(name: str, per_chip: int = 1, overrides=(), dump: Path | None = None) -> dict:
   model, target, chips, ref_gib, ref_s = CONFIGS[name]
   req = plan.Request(model=model, precision="bf16", global_batch=chips * per_chip,
                      seq_len=2048, remat="full", strategy="fsdp", devices=chips, target=target)
   spec = plan_compile._spec(req)
-  cfg = plan_compile.run_config(req, spec)
+  cfg = config.apply_overrides(plan_compile.run_config(req, spec), list(overrides))
   acc = plan.hardware.get(target)
   est = plan.estimate(req, registry.load(model), acc, spec)
   cpu0 = time.process_time()
-  report = aot.compile_on_tpu(cfg, acc.topology, chips)
+  report = aot.compile_on_tpu(cfg, acc.topology, chips,
+                              dump=dump / name.replace("/", "_") if dump else None)
   cpu_s = time.process_time() - cpu0
   cmp = plan_compile.compare(report, est)
   return {
-      "config": name, "per_chip": per_chip, "where": report.where,
+      "config": name, "per_chip": per_chip, "overrides": list(overrides),
+      "where": report.where,
       "compiled_gib": report.total_bytes / GiB,
       "analytic_gib": est.memory.total / GiB, "ratio_total": cmp["ratio"]["total"],
       "ratio_state": cmp["ratio"]["state"], "fits": report.total_bytes <= acc.usable_bytes,
@@ -66,6 +71,9 @@ def main() -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--only", nargs="*", choices=list(CONFIGS), help="configs to run")
   p.add_argument("--per-chip", type=int, default=1, help="sequences per chip (default 1)")
+  p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                 help="config overrides, e.g. model.attention=flash train.loss_chunk=1024")
+  p.add_argument("--dump", type=Path, help="write XLA's dumps here, a folder per config")
   p.add_argument("--json", help="also write the results here")
   args = p.parse_args()
   if not aot.libtpu_available():
@@ -73,12 +81,14 @@ def main() -> int:
     return 1
   results = []
   for name in args.only or CONFIGS:
-    r = run(name, args.per_chip)
+    r = run(name, args.per_chip, args.set, args.dump)
     results.append(r)
     ref_s = f"≈{r['reference_compile_s']} s" if r["reference_compile_s"] else "n/a"
+    without = " (of the config without --set)" if args.set else ""
     print(f"{name:20s} {r['where']:16s} compiled {r['compiled_gib']:6.2f} GiB per chip "
           f"(reference {r['reference_gib']:.2f}; usable {r['usable_gib']:.2f}; "
-          f"{'fits' if r['fits'] else 'DOES NOT FIT'})  analytic {r['analytic_gib']:6.2f} GiB "
+          f"{'fits' if r['fits'] else 'DOES NOT FIT'})  analytic{without} "
+          f"{r['analytic_gib']:6.2f} GiB "
           f"(ratio {r['ratio_total']:.3f}, state {r['ratio_state']:.3f})  compile "
           f"{r['compile_s']:.1f} s wall, {r['compile_cpu_s']:.1f} s CPU (reference {ref_s})",
           flush=True)

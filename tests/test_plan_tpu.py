@@ -40,8 +40,12 @@ def test_train_step_compiles_for_a_tpu_topology(tmp_path):
   req = plan.Request(model=str(model), optimizer="sgd", precision="bf16", global_batch=8,
                      seq_len=512, remat="none", strategy="fsdp", devices=4, target="tpu-v5e")
   spec = plan_compile._spec(req)
-  report = aot.compile_on_tpu(plan_compile.run_config(req, spec), "v5e", 4)
+  report = aot.compile_on_tpu(plan_compile.run_config(req, spec), "v5e", 4,
+                              dump=tmp_path / "dump")
   assert report.where == "tpu v5e:2x2" and report.n_devices == 4
+  # The TPU compiler's own buffer assignment, for reading what is live at the peak.
+  for kind in ("memory-usage-report", "live-range"):
+    assert list((tmp_path / "dump").glob(f"*train_step*{kind}.txt")), kind
   est = plan.estimate(req, registry.load(str(model)), hardware.get("tpu-v5e"),
                       spec)
   ratio = plan_compile.compare(report, est)["ratio"]

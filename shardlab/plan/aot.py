@@ -102,8 +102,9 @@ def tpu_devices(prefix: str, n_chips: int, num_slices: int = 1):
   return topo.devices, name
 
 
-def compile_step(cfg: Config, devices, where: str) -> CompiledReport:
-  """Lowers and compiles the train step over `devices` with abstract, sharded inputs."""
+def compile_step(cfg: Config, devices, where: str, dump: str | None = None) -> CompiledReport:
+  """Lowers and compiles the train step over `devices` with abstract, sharded inputs; `dump`:
+  a folder for XLA's dumps (`compile_train_step`)."""
   if cfg.train.precision == "auto":
     raise ConfigError("train.precision must be explicit for an AOT compile (not 'auto', "
                       "which depends on the backend this process runs on)")
@@ -112,16 +113,19 @@ def compile_step(cfg: Config, devices, where: str) -> CompiledReport:
   abstract = run_lib.abstract_state(cfg)
   sh = state_lib.shardings(abstract, rules, mesh, cfg.train.offload)
   train_step = run_lib.make_steps(cfg, abstract, sh)[0]
-  return compile_train_step(train_step, abstract, sh, run_lib.abstract_batch(cfg, sh), where)
+  return compile_train_step(train_step, abstract, sh, run_lib.abstract_batch(cfg, sh), where,
+                            dump)
 
 
 def compile_train_step(train_step, abstract: state_lib.Abstract,
                        shardings: state_lib.Shardings, batch,
-                       where: str = "") -> CompiledReport:
+                       where: str = "", dump: str | None = None) -> CompiledReport:
   """Compiles any module's train step (`shardlab.train_step`) for the devices of
   `shardings.mesh` — simulated CPU devices, or a TPU topology from `tpu_devices` — with
   `batch` a tree of ShapeDtypeStructs: XLA's memory per device and the collectives, with
-  nothing allocated."""
+  nothing allocated. With `dump`, XLA writes its programs and buffer assignment there (for a
+  TPU too): `*memory-usage-report.txt` lists the largest buffers, `*live-range.txt` ends
+  with what is live at the peak."""
   state = state_lib.placed(abstract.state, shardings.state)
   batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                       sharding=shardings.batch), batch)
@@ -129,7 +133,8 @@ def compile_train_step(train_step, abstract: state_lib.Abstract,
   where = where or f"{devices[0].platform} x{shardings.mesh.size}"
   start = time.perf_counter()
   with _compile_only(devices[0].platform):
-    compiled = train_step.lower(state, batch).compile()
+    compiled = train_step.lower(state, batch).compile(
+        {"xla_dump_to": str(dump)} if dump else None)
   seconds = time.perf_counter() - start
   mem = compiled.memory_analysis()
   text = compiled.as_text()
@@ -164,10 +169,11 @@ def compile_on_cpu(cfg: Config, n_devices: int) -> CompiledReport:
   return CompiledReport(**json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def compile_on_tpu(cfg: Config, prefix: str, n_chips: int, num_slices: int = 1) -> CompiledReport:
+def compile_on_tpu(cfg: Config, prefix: str, n_chips: int, num_slices: int = 1,
+                   dump: str | None = None) -> CompiledReport:
   devices, name = tpu_devices(prefix, n_chips, num_slices)
   where = f"tpu {name}" + (f" x{num_slices} slices" if num_slices > 1 else "")
-  return compile_step(cfg, devices, where)
+  return compile_step(cfg, devices, where, dump)
 
 
 @contextlib.contextmanager
