@@ -19,7 +19,7 @@ error is that of rounding the exact product to bf16, so it accumulates in fp32 a
 does (XLA:CPU widens the operands to fp32 for it: a copy of each, which a dot whose operand
 is large, such as the output head's, can opt out of). There the output dtype is asked for
 directly, as on TPU and GPU. `/proc/cpuinfo` decides; `SHARDLAB_CPU_DOT=fp32` (accumulate
-into fp32) or `=bf16` (ask for the output dtype) overrides it.
+into fp32) or `=output` (ask for the output dtype) overrides it.
 """
 
 import functools
@@ -72,12 +72,10 @@ def cpu_result() -> str:
   """What an XLA:CPU dot is asked for: "fp32" (then cast) on a CPU with native bf16
   instructions, else "output" (the output dtype, as on TPU); SHARDLAB_CPU_DOT overrides."""
   forced = os.environ.get("SHARDLAB_CPU_DOT", "")
-  if forced not in ("", "fp32", "bf16"):
+  if forced not in ("", "fp32", "output"):
     raise ValueError(f"SHARDLAB_CPU_DOT={forced!r}; valid: fp32 (accumulate into fp32), "
-                     f"bf16 (ask for the output dtype), or unset (detect)")
-  if forced:
-    return "fp32" if forced == "fp32" else "output"
-  return "fp32" if _native_bf16() else "output"
+                     f"output (ask for the output dtype), or unset (detect)")
+  return forced or ("fp32" if _native_bf16() else "output")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
