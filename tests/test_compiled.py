@@ -311,7 +311,6 @@ def tpu_scattered_shapes(text: str) -> list[tuple]:
   return [s for c in hlo.collective_ops(text) if c.op == "reduce-scatter" for s in c.shapes]
 
 
-@pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry")
 @pytest.mark.parametrize("strategy,scatters", [("zero2", True), ("fsdp", True),
                                                ("zero1", False)])
 def test_tpu_compiler_reduce_scatters_gradients(strategy, scatters):

@@ -209,9 +209,7 @@ def devices(backend: str):
   return list(jax.devices()) if backend == "cpu" else list(_tpu_devices())
 
 
-BACKENDS = pytest.mark.parametrize("backend", [
-    "cpu", pytest.param("tpu", marks=pytest.mark.filterwarnings(
-        "ignore:Error reading persistent compilation cache entry"))])
+BACKENDS = pytest.mark.parametrize("backend", ["cpu", "tpu"])
 
 
 def matmul_sum(mesh: Mesh) -> str:

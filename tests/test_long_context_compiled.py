@@ -41,7 +41,6 @@ def nbytes(report, kind):
   return report.collectives.get(kind, {}).get("bytes", 0)
 
 
-@pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry")
 def test_sequence_parallel_swaps_all_reduces_for_reduce_scatter_and_all_gather_on_tpu():
   """tiny (4 layers) on data:4 × tensor:2: TP all-reduces each block's output (twice a layer
   forward, more backward); with SP each becomes a reduce-scatter onto the sequence shards
