@@ -10,6 +10,7 @@ from shardlab.errors import ConfigError
 
 
 ONE_THREAD_PER_DEVICE = "--xla_cpu_multi_thread_eigen=false"
+POOL_THREADS_PER_DEVICE = 4
 
 
 def simulate(n: int) -> None:
@@ -31,6 +32,13 @@ def simulate(n: int) -> None:
     # N simulated devices already run in parallel; letting each also spread its ops over
     # every core oversubscribes them (bf16 peer benchmark: 3.6 → 2.1 s/step on 2 cores).
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {ONE_THREAD_PER_DEVICE}"
+  if n > 1 and "PJRT_NPROC" not in os.environ:
+    # XLA:CPU runs a program's independent collectives concurrently, each holding a thread
+    # of the client's pool (max(cores, devices) threads) until its peers arrive; with more
+    # devices than cores the pool can fill with waiting collectives while another device's
+    # part never starts: a deadlock XLA aborts after 40 s (3 runs in 8 of docs/your-model.md
+    # on a busy 2-core host; none in 16 with this headroom).
+    os.environ["PJRT_NPROC"] = str(POOL_THREADS_PER_DEVICE * n)
 
 
 def accelerator_present() -> bool:
