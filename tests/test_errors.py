@@ -129,6 +129,24 @@ def test_simulating_devices_after_backend_started():
     devices.simulate(4)
 
 
+@pytest.mark.parametrize("preset,expected", [(None, "16 --xla_cpu_multi_thread_eigen=false"),
+                                             ("5", "5 --xla_cpu_multi_thread_eigen=false")])
+def test_simulating_devices_sizes_xla_cpu_threads(preset, expected):
+  """4 devices get a pool of 16 threads (XLA:CPU's collectives deadlock on a full pool) and
+  one thread each for ops, unless the user set the pool size."""
+  import os
+  import subprocess
+  import sys
+  env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "XLA_FLAGS")}
+  if preset:
+    env["PJRT_NPROC"] = preset
+  code = ("import os; from shardlab.runtime import devices; devices.simulate(4); "
+          "print(os.environ['PJRT_NPROC'], os.environ['XLA_FLAGS'].strip())")
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       check=True).stdout
+  assert out.strip() == expected
+
+
 def test_cli_values_reach_the_config_as_typed():
   from shardlab.cli import train as train_cli
   args = train_cli.train_parser().parse_args([
