@@ -15,6 +15,7 @@ from shardlab.models.decoder import ACTIVATIONS, Block, KVCache, attend, causal_
 from shardlab.models.decoder import logits
 from shardlab.models.decoder import scan_blocks, stacked_param as _param
 from shardlab.sharding.activations import constrain
+from shardlab.sharding.early_grads import reduce_grads_early
 
 # Rank alone would decay these matrices: a stacked norm's scale and bias, and both tables.
 NO_WEIGHT_DECAY = ("scale", "bias", "wte_VxD", "wpe_PxD")
@@ -71,9 +72,12 @@ class MLP(nnx.Module):
     self.proj_bias_D = _param(rngs, (d,), ("embed",), "zeros", dtype, stack)
 
   def __call__(self, x_BxLxD):
-    h = dot.einsum("bld,df->blf", x_BxLxD, self.fc_DxF[...]) + self.fc_bias_F[...]
+    # As Llama's MLP: each weight gradient reduced before the backward goes on below it.
+    x, (w_fc,) = reduce_grads_early(x_BxLxD, self.fc_DxF)
+    h = dot.einsum("bld,df->blf", x, w_fc) + self.fc_bias_F[...]
     h_BxLxF = constrain(jax.nn.gelu(h, approximate=True), ACTIVATIONS["mlp_hidden"])
-    return dot.einsum("blf,fd->bld", h_BxLxF, self.proj_FxD[...]) + self.proj_bias_D[...]
+    h_BxLxF, (w_proj,) = reduce_grads_early(h_BxLxF, self.proj_FxD)
+    return dot.einsum("blf,fd->bld", h_BxLxF, w_proj) + self.proj_bias_D[...]
 
 
 def block(cfg, dtype, rngs: nnx.Rngs, stack=()) -> Block:

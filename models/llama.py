@@ -19,6 +19,7 @@ from shardlab.models.decoder import ACTIVATIONS, Block, KVCache, attend, causal_
 from shardlab.models.decoder import logits
 from shardlab.models.decoder import scan_blocks, stacked_param as _param
 from shardlab.sharding.activations import constrain
+from shardlab.sharding.early_grads import reduce_grads_early
 
 # Decayed by rank alone these would be: norm scales are 2-D once stacked, the table a matrix.
 NO_WEIGHT_DECAY = ("scale", "embed_VxD")
@@ -96,12 +97,12 @@ class Attention(nnx.Module):
   def __call__(self, x_BxLxD, cos, sin, mask_LxM, index, doc=None, cache_kv=None):
     """Attention output (and, with `cache_kv`, this layer's updated key/value buffers).
     `doc`: (positions, segment ids) for document masks and context parallelism."""
-    q = _project(self, "q", x_BxLxD, self.q_DxHxE)
-    k = _project(self, "k", x_BxLxD, self.k_DxKxE)
-    v = _project(self, "v", x_BxLxD, self.v_DxKxE)
+    q = _project(self, "q", x_BxLxD, self.q_DxHxE[...])
+    k = _project(self, "k", x_BxLxD, self.k_DxKxE[...])
+    v = _project(self, "v", x_BxLxD, self.v_DxKxE[...])
     out, cache_kv = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, mask_LxM,
                            cache_kv, index, self.impl, doc, self.exchange)
-    return _project(self, "o", out, self.o_HxExD), cache_kv
+    return _project(self, "o", out, self.o_HxExD[...]), cache_kv
 
 
 class MLP(nnx.Module):
@@ -117,10 +118,15 @@ class MLP(nnx.Module):
           for t, w in (("gate", "gate_DxF"), ("up", "up_DxF"), ("down", "down_FxD")))
 
   def __call__(self, x_BxLxD):
-    gate = _project(self, "gate", x_BxLxD, self.gate_DxF)
-    up = _project(self, "up", x_BxLxD, self.up_DxF)
+    # Each weight gradient reduced to its shard before the backward goes on below the matmul
+    # that uses it: XLA would hold the whole-size sums through the attention's backward
+    # (sharding/early_grads.py; the attention's own made no difference, measured).
+    x, (w_gate, w_up) = reduce_grads_early(x_BxLxD, self.gate_DxF, self.up_DxF)
+    gate = _project(self, "gate", x, w_gate)
+    up = _project(self, "up", x, w_up)
     h_BxLxF = constrain(swiglu(gate, up), ACTIVATIONS["mlp_hidden"])
-    return _project(self, "down", h_BxLxF, self.down_FxD)
+    h_BxLxF, (w_down,) = reduce_grads_early(h_BxLxF, self.down_FxD)
+    return _project(self, "down", h_BxLxF, w_down)
 
 
 # LoRA (models/lora.py): each target's projection einsum and the weight it adapts.
@@ -131,9 +137,9 @@ LORA_WEIGHTS = {"q": "q_DxHxE", "k": "k_DxKxE", "v": "v_DxKxE", "o": "o_HxExD",
                 "gate": "gate_DxF", "up": "up_DxF", "down": "down_FxD"}
 
 
-def _project(module: nnx.Module, target: str, x, weight: nnx.Param):
+def _project(module: nnx.Module, target: str, x, weight: jax.Array):
   """The target's projection of x, with its adapter's update when it has one."""
-  return lora.project(LORA_SPECS[target], x, weight[...],
+  return lora.project(LORA_SPECS[target], x, weight,
                       getattr(module, lora.PREFIX + target, None))
 
 

@@ -20,6 +20,7 @@ from shardlab.errors import ConfigError
 from shardlab.models import context, dot
 from shardlab.models.decoder import ACTIVATIONS
 from shardlab.sharding.activations import constrain
+from shardlab.sharding.early_grads import reduce_grads_early
 
 BATCH_KEYS = ("tokens", "segment_ids", "positions")
 
@@ -72,6 +73,8 @@ def cross_entropy(x_BxLxD, head_DxV, targets_BxL, chunk: int = 0, weights_BxL=No
   Chunks are rematerialised, so only one chunk's fp32 B×chunk×V logits are ever live —
   with a large vocabulary these dominate activation memory — at the cost of computing the
   logits twice."""
+  # The head's gradient reduced before the layers' backward starts (sharding.early_grads).
+  x_BxLxD, (head_DxV,) = reduce_grads_early(x_BxLxD, head_DxV, names=[("embed", "vocab")])
   b, l, _ = x_BxLxD.shape
   count = b * l if weights_BxL is None else jnp.maximum(weights_BxL.sum(), 1.0)
   if chunk <= 0:

@@ -19,16 +19,22 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("shardlab_activation_ru
 # `layers` over a mesh axis.
 _PIPELINE: contextvars.ContextVar = contextvars.ContextVar("shardlab_pipeline",
                                                             default=(1, 1))
+# (mesh, gradient table) while a train step that reduces gradients early is traced.
+_GRADS: contextvars.ContextVar = contextvars.ContextVar("shardlab_gradient_rules", default=None)
 
 
 @contextlib.contextmanager
-def activation_rules(mesh: Mesh, rules: Rules, pipeline: tuple[int, int] = (1, 1)):
-  """Traces under `rules`; `pipeline` is (microbatches, repeats) for a pipelined layer scan."""
+def activation_rules(mesh: Mesh, rules: Rules, pipeline: tuple[int, int] = (1, 1),
+                     early_grads: bool = False):
+  """Traces under `rules`; `pipeline` is (microbatches, repeats) for a pipelined layer scan;
+  `early_grads` turns on sharding.early_grads.reduce_grads_early."""
   token = _ACTIVE.set((mesh, rules.activations))
   schedule = _PIPELINE.set(tuple(pipeline))
+  grads = _GRADS.set((mesh, rules.grads) if early_grads else None)
   try:
     yield
   finally:
+    _GRADS.reset(grads)
     _PIPELINE.reset(schedule)
     _ACTIVE.reset(token)
 
@@ -36,6 +42,11 @@ def activation_rules(mesh: Mesh, rules: Rules, pipeline: tuple[int, int] = (1, 1
 def pipeline_schedule() -> tuple[int, int]:
   """(microbatches, repeats) the active step gives a pipeline."""
   return _PIPELINE.get()
+
+
+def gradient_rules() -> tuple[Mesh, dict] | None:
+  """(mesh, the table gradients are reduced to) when the step reduces them early, else None."""
+  return _GRADS.get()
 
 
 def constrain(x: jax.Array, names: tuple) -> jax.Array:

@@ -162,6 +162,7 @@ def make_steps(cfg: Config, abstract: state_lib.Abstract, shardings_: state_lib.
                                    microbatches=cfg.train.microbatches,
                                    lr_schedule=optim.schedule(cfg.train),
                                    grad_dtype=cfg.train.grad_dtype,
+                                   early_grads=cfg.train.early_grad_reduce,
                                    nonfinite=cfg.train.nonfinite,
                                    pipeline_repeats=cfg.train.pipeline_repeats),
           step_lib.make_eval_step(loss, abstract, shardings_,

@@ -139,12 +139,13 @@ def _check_options(nonfinite: str, shardings: Shardings) -> None:
 def make_train_step(loss_fn: LossFn, abstract: Abstract, shardings: Shardings, *,
                     microbatches: int = 1, lr_schedule: optax.Schedule | None = None,
                     grad_dtype: str = "auto", nonfinite: str = "stop",
-                    pipeline_repeats: int = 1):
+                    pipeline_repeats: int = 1, early_grads: bool = True):
   """jit(state, batch) -> (state, metrics); `state` is donated. Metrics: loss, grad_norm,
   finite (both are finite), the loss's aux entries (averaged over microbatches) and, given a
   schedule, lr. `grad_dtype`: "auto", "fp32" or "bf16" (see precision.gradient_dtype).
   `nonfinite`: "stop" applies every update (the caller stops on `finite`); "skip" keeps the
-  params and optimizer state of a non-finite step as they were and reports skipped = 1."""
+  params and optimizer state of a non-finite step as they were and reports skipped = 1.
+  `early_grads`: reduce weight gradients where the model asks (sharding.early_grads)."""
   _check_options(nonfinite, shardings)
   dtype = precision.gradient_dtype(abstract.policy, grad_dtype)
   loss = working_loss(loss_fn, abstract)
@@ -157,7 +158,7 @@ def make_train_step(loss_fn: LossFn, abstract: Abstract, shardings: Shardings, *
   looped, schedule = pipeline_split(shardings, microbatches, pipeline_repeats)
 
   def train_step(state: TrainState, batch):
-    with activation_rules(shardings.mesh, shardings.rules, schedule):
+    with activation_rules(shardings.mesh, shardings.rules, schedule, early_grads):
       working = working_copy(_on_device(state.params, shardings.on_device.params), abstract,
                              shardings)
       fixed = abstract.fixed(working)
