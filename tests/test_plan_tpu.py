@@ -91,14 +91,13 @@ def test_gradients_are_reduced_in_the_matmul_dtype(tmp_path, grad_dtype):
 def test_planner_memory_matches_the_tpu_compiler_on_v5e_256(model, offload):
   """FSDP over a v5e-256, one 2048-token sequence per chip, full remat, bf16 compute over fp32
   weights (bench/plan_tpu.py's setup): the planner's per-chip total within 15% of the TPU
-  compiler's. Measured 0.95 (7b, 4.09 GiB compiled) and 0.96 (70b, 15.09 GiB); each compile
-  takes about 50 s on 2 cores (twice that beside other work). The compiler reports about 1
+  compiler's. Measured 1.11 (7b, 2.54 GiB compiled) and 0.89 (70b, 13.97 GiB); each compile
+  takes about 70 s on 2 cores (twice that beside other work). The compiler reports about 1
   (7b) to 4 GiB (70b) more temporary memory than its HLO buffer assignment holds at its peak
-  (seen in the dumped assignment); the formula's two layers of weights and 10 bytes a score
-  while a layer recomputes stand in for part of it, so the slope per sequence is not the
-  compiler's (70b: 5.4 GiB against 3.5). With the optimizer state offloaded (7b: 3.23 GiB
-  on the device, 0.32 in host memory) the state is host bytes; the compiler holds 33 MB
-  more host memory than the state (measured 1.10, not broken down)."""
+  (seen in the dumped assignment); the formula's two layers of weights stand in for part of
+  it. With the optimizer state offloaded (7b: 2.48 GiB on the device, 0.32 in host memory)
+  the state is host bytes; the compiler holds 33 MB more host memory than the state
+  (measured 1.10, not broken down)."""
   req = plan.Request(model=model, precision="bf16", global_batch=256, seq_len=2048,
                      remat="full", strategy="fsdp", devices=256, target="tpu-v5e",
                      offload=offload)

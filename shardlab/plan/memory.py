@@ -182,7 +182,8 @@ def layer_saved_bytes(a: ActivationShapes, p: int, remat: str, m=None) -> float:
   return sum(_saved_by_shape(a, p, m).values())
 
 
-def layer_backward_transient(a: ActivationShapes, p: int, remat: str, m=None) -> float:
+def layer_backward_transient(a: ActivationShapes, p: int, remat: str, m=None,
+                             platform: str = "cpu") -> float:
   """Peak extra bytes while one layer runs backward, beyond what the layers keep.
 
   Without remat: the largest cotangents (SwiGLU's three F-wide gradients, or attention's fp32
@@ -190,13 +191,20 @@ def layer_backward_transient(a: ActivationShapes, p: int, remat: str, m=None) ->
   residuals rebuilt, live while its backward runs — the residual stream's throughout, then
   the MLP's with its three F-wide gradients, then attention's with the fp32 scores and their
   gradient beside the kept probabilities (fitted to XLA:CPU's buffer assignment across the
-  reference grid: 10 bytes a score), whichever is larger.
+  reference grid: 10 bytes a score), whichever is larger. XLA:TPU keeps no fp32 softmax: its
+  attention holds the compute-dtype probabilities, their fp32 gradient and the score
+  gradient in the compute dtype (8 bytes a score in bf16; tests/test_plan_tpu.py).
   """
   if remat == "none":
     return max(a.mlp * 3 * p, _attention_backward(a, p)) + a.d * 2 * p
   part = dict.fromkeys(("d", "q", "kv", "scores", "mlp"), 0.0) | _saved_by_shape(a, p, m)
-  attention = part["q"] + part["kv"] + part["scores"] + (
-      _attention_backward(a, p) if a.flash else a.scores * 10)
+  if a.flash:
+    scores = part["scores"] + _attention_backward(a, p)
+  elif platform == "tpu":
+    scores = a.scores * (p + 4 + p)
+  else:
+    scores = part["scores"] + a.scores * 10
+  attention = part["q"] + part["kv"] + scores
   rebuilt = part["d"] + max(part["mlp"] + a.mlp * 3 * p, attention)
   return max(rebuilt - layer_saved_bytes(a, p, remat, m), 0.0)
 
@@ -233,18 +241,21 @@ def activation_memory(m, t: TrainConfig, p: int, table: dict, mesh,
   """(activation bytes per device at the step's peak, token-batch bytes, shapes).
 
   On top of what every layer keeps: the largest of the loss stage's forward, its backward and
-  one layer's backward — the last two beside the output head's fp32 weight gradient, whole
-  over the batch axes, which XLA holds from the loss stage through the layers' backward pass
-  (it reduces it with the others, at the end; the embedding lookup's gradient comes last,
-  once the layers' buffers are free). That gradient takes the place of the largest gathered
-  buffer (`head_gathered` bytes, counted with the gathered weights: under FSDP the head
-  itself, dead once the logits' input gradient is computed)."""
+  one layer's backward. The loss's backward holds the output head's fp32 weight gradient,
+  whole over the batch axes; with `train.early_grad_reduce` it is reduced to its shard
+  before the layers' backward starts (sharding/early_grads.py), else XLA holds it through the
+  layers' backward too (it reduces it with the others, at the end; the embedding lookup's
+  gradient comes last, once the layers' buffers are free). Either way it takes the place of
+  the largest gathered buffer (`head_gathered` bytes, counted with the gathered weights:
+  under FSDP the head itself, dead once the logits' input gradient is computed)."""
   a = activation_shapes(m, t.global_batch // t.microbatches, t.seq_len, table, mesh,
                         platform)
   saved = m.n_layers * layer_saved_bytes(a, p, t.remat, m) + a.d * p  # + embedding output
   loss_forward, loss_backward = loss_transients(a, p)
-  transient = max(loss_forward, max(layer_backward_transient(a, p, t.remat, m),
-                                    loss_backward) + a.head * 4 - head_gathered)
+  head_grad = a.head * 4 - head_gathered
+  layers = layer_backward_transient(a, p, t.remat, m, platform)
+  transient = max(loss_forward, loss_backward + head_grad,
+                  layers - head_gathered if t.early_grad_reduce else layers + head_grad)
   peak = saved + transient
   batch = a.tokens * t.microbatches * 4  # the whole step's int32 tokens
   return peak, batch, a
