@@ -133,7 +133,7 @@ def test_tpu_compile_moves_the_offloaded_bytes_to_the_host(tmp_path):
   device whole (measured: 133 of 134 MB). The offloaded state leaves it between steps, but
   the update streams it back in, and on a model this small the update is near the step's
   peak: the device falls by a quarter of it (36 of 153 MB; llama2-70b on v5e-256 falls by
-  all of it, docs/offload.md)."""
+  most of it, 2.62 of 3.03 GiB, docs/offload.md)."""
   path = tmp_path / "tpu-small.toml"
   path.write_text(TPU_MODEL)
   model = registry.load(str(path))
