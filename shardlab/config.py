@@ -32,9 +32,7 @@ class TrainConfig:
   clip_norm: float = 1.0
   precision: str = "auto"
   grad_dtype: str = "auto"  # "auto" (the stored params'), "fp32", or "bf16" under bf16
-  # Reduce the MLP's and the output head's weight gradients before the backward goes on
-  # below them, so their whole-size partial sums are not held (sharding/early_grads.py).
-  early_grad_reduce: bool = True
+  early_grad_reduce: bool = True  # reduce weight grads where made (sharding/early_grads.py)
   remat: str = "none"
   # "opt_state": the stored (master) weights and the optimizer state live in host memory
   # and stream to the device for the update.
@@ -67,9 +65,8 @@ class TrainConfig:
       raise ConfigError(f"train.loss_chunk ({self.loss_chunk}) must be 0 (off) or divide "
                         f"train.seq_len ({self.seq_len})")
     if self.global_batch % self.microbatches:
-      raise ConfigError(
-          f"train.global_batch ({self.global_batch}) must be divisible by train.microbatches "
-          f"({self.microbatches})")
+      raise ConfigError(f"train.global_batch ({self.global_batch}) must be divisible by "
+                        f"train.microbatches ({self.microbatches})")
     choices = {"optimizer": ("adamw", "adafactor", "sgd"),
                "precision": ("auto", "fp32", "bf16", "bf16-params"),
                "grad_dtype": ("auto", "fp32", "bf16"),
@@ -170,8 +167,7 @@ def to_dict(cfg) -> dict:
 
 # What a resumed run must share with its checkpoint: the model, the optimizer's update rule,
 # the numerics and which batches come next. The schedule (lr, warmup_steps, min_lr_ratio,
-# steps), logging, evaluation, remat, loss_chunk, early_grad_reduce, the mesh, strategy and
-# rules may change.
+# steps), logging, evaluation, remat, loss_chunk, the mesh, strategy and rules may change.
 RESUME_FIELDS = ("model", "train.optimizer", "train.b1", "train.b2", "train.eps",
                  "train.weight_decay", "train.decay_norms_and_embeddings", "train.clip_norm",
                  "train.precision", "train.grad_dtype", "train.global_batch", "train.seq_len",

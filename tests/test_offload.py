@@ -130,9 +130,10 @@ max_seq_len = 512
 @pytest.mark.skipif(not aot.libtpu_available(), reason="libtpu is not installed")
 def test_tpu_compile_moves_the_offloaded_bytes_to_the_host(tmp_path):
   """Host bytes are what the planner says moves there. Offloaded layer inputs leave the
-  device whole (measured: 133 of 134 MB). The offloaded state leaves it between steps, but
-  the update streams it back in, and on a model this small the update is near the step's
-  peak: the device falls by a quarter of it (36 of 153 MB; llama2-70b on v5e-256 falls by
+  device nearly whole (measured: 119 of 134 MB; 133 before the MLP's and the head's weight
+  gradients were reduced early, which left less beside them to drop). The offloaded state
+  leaves it between steps, but the update streams it back in, and on a model this small the
+  update is near the step's peak: the device falls by a fifth of it (33 of 153 MB; llama2-70b on v5e-256 falls by
   most of it, 2.62 of 3.03 GiB, docs/offload.md)."""
   path = tmp_path / "tpu-small.toml"
   path.write_text(TPU_MODEL)
@@ -152,4 +153,4 @@ def test_tpu_compile_moves_the_offloaded_bytes_to_the_host(tmp_path):
     assert reports[name].host_bytes == pytest.approx(estimates[name].memory.host, rel=0.05)
   assert reports["opt_state"].argument_bytes < 0.01 * reports["none"].argument_bytes
   assert base - reports["opt_state"].total_bytes >= 0.2 * reports["opt_state"].host_bytes
-  assert base - reports["remat"].total_bytes >= 0.9 * reports["remat"].host_bytes
+  assert base - reports["remat"].total_bytes >= 0.85 * reports["remat"].host_bytes
