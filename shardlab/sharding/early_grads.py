@@ -35,11 +35,12 @@ def reduce_grads_early(x: jax.Array, *weights, names=None) -> tuple[jax.Array, t
   """(x, the weights' values), unchanged; use those in place of the weights. `weights`:
   nnx.Params, whose logical names are read, or arrays with `names` (one tuple each)."""
   values = tuple(w[...] if isinstance(w, nnx.Variable) else w for w in weights)
-  if _rules() is None:
+  active = _rules()
+  if active is None:
     return x, values
   if names is None:
     names = [_names(w) for w in weights]
-  mesh, table = _rules()
+  mesh, table = active
   shardings = tuple(NamedSharding(mesh, spec(tuple(n), v.shape, table, mesh, f"gradient {n}"))
                     for v, n in zip(values, names))
   return _tie(shardings, x, values)
