@@ -92,13 +92,17 @@ class Run:
     return run_lib.make_steps(self.cfg, self.abstract, self.sh)[0]
 
   @functools.cached_property
-  def compiled_step(self):
+  def lowered_step(self):
     abstract = self.abstract.state
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                          abstract, self.sh.state)
     shape = (self.cfg.train.global_batch, self.cfg.train.seq_len + 1)
     batch = jax.ShapeDtypeStruct(shape, np.int32, sharding=self.sh.batch)
-    return self.train_step.lower(state, batch).compile()
+    return self.train_step.lower(state, batch)
+
+  @functools.cached_property
+  def compiled_step(self):
+    return self.lowered_step.compile()
 
   @functools.cached_property
   def value_and_grad(self):

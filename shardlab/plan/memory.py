@@ -201,7 +201,7 @@ def layer_backward_transient(a: ActivationShapes, p: int, remat: str, m=None,
   if a.flash:
     scores = part["scores"] + _attention_backward(a, p)
   elif platform == "tpu":
-    scores = a.scores * (p + 4 + p)
+    scores = a.scores * (2 * p + 4)
   else:
     scores = part["scores"] + a.scores * 10
   attention = part["q"] + part["kv"] + scores
