@@ -15,7 +15,7 @@ waited for with block_until_ready. The last line printed is the results as JSON.
 """
 
 
-from shardlab.runtime import devices  # noqa: E402  (starts no backend)
+from shardlab.runtime import devices, host_memory  # noqa: E402  (starts no backend)
 
 N_DEVICES = 8
 devices.simulate(N_DEVICES)  # as train.py does: one thread per simulated device
@@ -193,6 +193,7 @@ def main():
   args = parser.parse_args()
   if args.steps < 1 or args.warmup < 0:
     parser.error("--steps must be >= 1 and --warmup >= 0")
+  host_memory.reexec_with_huge_pages()  # as train.py does on a CPU host
   if jax.device_count() != N_DEVICES:
     sys.exit(f"expected {N_DEVICES} simulated devices, got {jax.devices()}; is XLA_FLAGS "
              f"setting another --xla_force_host_platform_device_count?")
@@ -200,7 +201,7 @@ def main():
   results = {"backend": jax.default_backend(), "devices": jax.device_count(),
              "steps": args.steps, "warmup": args.warmup, "cpu_dot": dot.cpu_result()}
   print(f"XLA:CPU dots asked for: {results['cpu_dot']} (models/dot.py; "
-        f"SHARDLAB_CPU_DOT overrides)")
+        f"SHARDLAB_CPU_DOT overrides); {host_memory.describe()}")
   if {"strategies", "flops"} & set(args.only):
     one_device = run_train(registry.load("tiny"), "data:1", "dp", args.batch, args.seq,
                            "fp32", args.steps, args.warmup, devices=jax.devices()[:1])

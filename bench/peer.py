@@ -12,6 +12,8 @@ MaxText runs through ../shared/peers/maxtext/run.sh (its own Python 3.12 venv; i
 with `bash ../shared/peers/maxtext/run.sh install`). Without that venv only shardlab's
 figures are printed. Runs alternate (shardlab, MaxText, shardlab, ...) so that a machine
 busy with something else slows both; compare the ratios, not the absolute times.
+Both sides run with the same process environment: shardlab restarts itself with huge pages
+for XLA:CPU's buffers (shardlab/runtime/host_memory.py), and MaxText's runs inherit that.
 """
 
 import json
@@ -116,6 +118,9 @@ def main():
   p.add_argument("--steps", type=int, default=15, help="timed steps per run")
   p.add_argument("--warmup", type=int, default=4, help="untimed steps after compiling")
   args = p.parse_args()
+  from shardlab.runtime import host_memory
+  host_memory.reexec_with_huge_pages()  # as train.py does; MaxText's runs inherit it
+  print(host_memory.describe() + ", MaxText's runs inherit it")
   rows = compare(args.rounds, args.remat, args.steps, args.warmup)
   print_table(rows)
   print(json.dumps(rows))

@@ -8,6 +8,7 @@ from shardlab.cli import data as data_cli
 from shardlab.cli import generate as generate_cli
 from shardlab.cli import inspect as inspect_cli
 from shardlab.cli import plan as plan_cli
+from shardlab.cli.args import cpu_entry_point
 from shardlab.cli.train import train_main
 
 
@@ -23,12 +24,14 @@ COMMANDS = {"train": train_main, "plan": plan_cli.plan_main, "launch": launch_ma
 
 
 def main(argv=None) -> int:
-  argv = sys.argv[1:] if argv is None else argv
+  entry, argv = argv is None, sys.argv[1:] if argv is None else argv
   if not argv or argv[0] not in COMMANDS:
     names = " | ".join(COMMANDS)
     print(f"usage: shardlab {{{names}}} [options]   (shardlab COMMAND --help for each)",
           file=sys.stderr)
     return 2
+  if entry:
+    cpu_entry_point()
   return COMMANDS[argv[0]](argv[1:], prog=f"shardlab {argv[0]}")
 
 

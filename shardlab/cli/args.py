@@ -7,7 +7,7 @@ import sys
 from shardlab import config as config_lib
 from shardlab.errors import ConfigError
 from shardlab.models import registry
-from shardlab.runtime import devices
+from shardlab.runtime import devices, host_memory
 from shardlab.sharding import rules
 
 DEFAULT_MODEL = "tiny"
@@ -35,6 +35,13 @@ def add_simulate_devices(p: argparse.ArgumentParser) -> None:
   p.add_argument("--simulate-devices", type=int, metavar="N",
                  help=f"run on N simulated CPU devices (default {DEFAULT_SIMULATED_DEVICES} "
                       f"when no accelerator is present)")
+
+
+def cpu_entry_point() -> None:
+  """First thing in a command-line entry point: on a host without accelerators, restart with
+  huge pages for XLA:CPU's buffers (runtime.host_memory)."""
+  if not devices.accelerator_present():
+    host_memory.reexec_with_huge_pages()
 
 
 def setup_devices(requested: int | None) -> None:

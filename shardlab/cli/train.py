@@ -9,8 +9,8 @@ import jax
 
 from shardlab import generate
 import shardlab.cli.text as text
-from shardlab.cli.args import add_model_mesh_strategy, add_overrides, add_simulate_devices
-from shardlab.cli.args import load_config, setup_devices
+from shardlab.cli.args import (add_model_mesh_strategy, add_overrides, add_simulate_devices,
+                               cpu_entry_point, load_config, setup_devices)
 from shardlab.cli.auto import add_auto_args, resolve_auto
 from shardlab.errors import ConfigError
 from shardlab.hf import weights as hf
@@ -124,6 +124,8 @@ def hf_params(run):
 
 def train_main(argv=None, prog: str = "train.py") -> int:
   args = train_parser(prog).parse_args(argv)
+  if argv is None:  # train.py: the process's entry point
+    cpu_entry_point()
   try:
     setup_devices(args.simulate_devices)
     how = distributed.initialize(args.coordinator, args.num_processes, args.process_id,
