@@ -1,1 +1,2 @@
-"""The machine: simulated CPU devices, jax.distributed, the local launcher, accelerator specs."""
+"""The machine: simulated CPU devices, huge pages for XLA:CPU, jax.distributed, the local
+launcher, accelerator specs."""
