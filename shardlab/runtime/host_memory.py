@@ -12,6 +12,7 @@ once with the tunable set; `SHARDLAB_HUGE_PAGES=0` turns that off.
 
 import os
 import sys
+from pathlib import Path
 
 TUNABLE = "glibc.malloc.hugetlb=1"
 OPT_OUT = "SHARDLAB_HUGE_PAGES"
@@ -21,7 +22,7 @@ THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 def thp_mode(path: str = THP_MODE) -> str | None:
   """The kernel's THP mode ('always', 'madvise', 'never'), or None where it has none."""
   try:
-    text = open(path).read()
+    text = Path(path).read_text()
   except OSError:
     return None
   start, end = text.find("["), text.find("]")
