@@ -63,12 +63,12 @@ def memory(compiled) -> dict:
 
 def run_train(model_cfg, mesh_text: str, strategy: str, batch: int, seq: int, precision: str,
               steps: int, warmup: int, devices=None, loss_chunk: int = 0,
-              remat: str = "none", offload: str = "none",
+              remat: str = "none", offload: str = "none", scan_unroll: int = 1,
               lora: config.LoraConfig = config.LoraConfig()) -> dict:
   """Compiles one train step, runs `warmup` untimed steps, then times `steps` steps."""
   train = config.TrainConfig(global_batch=batch, seq_len=seq, precision=precision,
                              steps=warmup + steps + 1, loss_chunk=loss_chunk,
-                             remat=remat, offload=offload)
+                             remat=remat, offload=offload, scan_unroll=scan_unroll)
   cfg = config.Config(model=model_cfg, mesh=mesh_text, strategy=strategy, train=train,
                       lora=lora)
   the_mesh = mesh.build(mesh.parse_inline(mesh_text), devices=devices)

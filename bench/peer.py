@@ -4,7 +4,10 @@
 
 Config (both sides): llama-style, vocab 32000, d_model 256, 4 layers, 4 heads × 64, MLP 1024,
 seq 256, 8 sequences per step, AdamW, fp32 weights and bf16 compute, fsdp:8 on 8 simulated
-CPU devices, plain dot-product attention, no checkpointing, synthetic tokens.
+CPU devices, plain dot-product attention, no checkpointing, synthetic tokens. Layers:
+scanned at remat full on both sides (MaxText's default scan_layers=true); at remat none
+MaxText runs them unscanned (its scan always rematerialises) and shardlab unrolls its scan
+(train.scan_unroll = the layer count).
 Precision: shardlab's matmuls take bf16 operands and accumulate in fp32; its attention
 scores, softmax, logits and loss are fp32. MaxText (its defaults) computes the logits' dot
 in bf16 and casts them to fp32 for the loss, and its attention scores and softmax in bf16.
@@ -57,10 +60,12 @@ def run_maxtext(remat: str, steps: int, warmup: int) -> dict:
 def run_shardlab(remat: str, steps: int, warmup: int) -> dict:
   import core  # bench/core.py: starts 8 simulated devices on import
 
+  # Both sides loop over the layers alike: scanned at full, unscanned (unrolled) at none.
+  unroll = core.PEER_MODEL.n_layers if remat == "none" else 1
   r = core.run_train(core.PEER_MODEL, "fsdp:8", "fsdp", 8, 256, "bf16", steps, warmup,
-                     remat=remat)
+                     remat=remat, scan_unroll=unroll)
   m = r["memory"]
-  return {"who": "shardlab", "remat": remat, "step_s": r["step_s"],
+  return {"who": "shardlab", "remat": remat, "scan_unroll": unroll, "step_s": r["step_s"],
           "tokens_per_s": r["tokens_per_s"], "temp_mib": m["temp"] / MiB,
           "argument_mib": m["argument"] / MiB, "total_mib": m["total"] / MiB}
 

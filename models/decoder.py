@@ -12,7 +12,7 @@ from flax import nnx, struct
 
 from shardlab.errors import ConfigError
 from shardlab.models import attention, context, dot, pipeline
-from shardlab.sharding.activations import constrain, pipeline_schedule, platform
+from shardlab.sharding.activations import constrain, pipeline_schedule, platform, scan_unroll
 from shardlab.sharding.params import param
 
 # The logical axes of every activation a decoder constrains: the one list that the model,
@@ -165,9 +165,10 @@ class Block(nnx.Module):
 
 def scan_blocks(blocks: nnx.Module, x_BxLxD, cache: KVCache | None, remat: str, *args):
   """Applies the stacked `blocks` layer by layer with lax.scan (compile time independent of
-  depth); each layer is called as block(x, *args, layer_kv) -> (x, layer_kv). When the rules
-  split `layers` over a mesh axis (`stage`), a training forward runs the pipeline schedule
-  (models/pipeline.py) instead; args leading with the batch are split into its microbatches."""
+  depth, unless the step unrolls it: train.scan_unroll); each layer is called as
+  block(x, *args, layer_kv) -> (x, layer_kv). When the rules split `layers` over a mesh axis
+  (`stage`), a training forward runs the pipeline schedule (models/pipeline.py) instead; args
+  leading with the batch are split into its microbatches."""
   graphdef, stacked = nnx.split(blocks)
   cache_kv = None if cache is None else (cache.k_NxBxSxKxE, cache.v_NxBxSxKxE)
   where = pipeline.stages(jax.tree.leaves(stacked)[0].shape[0])
@@ -190,7 +191,7 @@ def scan_blocks(blocks: nnx.Module, x_BxLxD, cache: KVCache | None, remat: str, 
 
   if remat != "none":
     layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
-  return jax.lax.scan(layer, x_BxLxD, (stacked, cache_kv))
+  return jax.lax.scan(layer, x_BxLxD, (stacked, cache_kv), unroll=scan_unroll())
 
 
 def logits(x_BxLxD, head_DxV):

@@ -17,7 +17,7 @@ from shardlab.models import experts
 from shardlab.models.decoder import ACTIVATIONS, KVCache, LAYER_INPUT, REMAT_POLICIES
 from shardlab.models.decoder import stacked_param as _param
 from shardlab.models.llama import Attention, Llama, RMSNorm
-from shardlab.sharding.activations import constrain
+from shardlab.sharding.activations import constrain, scan_unroll
 
 
 class MoEBlock(nnx.Module):
@@ -51,7 +51,7 @@ def scan_blocks(blocks: nnx.Module, x_BxLxD, cache: KVCache | None, remat: str, 
   if remat != "none":
     layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
   zeros = {k: jnp.zeros((), jnp.float32) for k in experts.STATS}
-  return jax.lax.scan(layer, (x_BxLxD, zeros), (stacked, cache_kv))
+  return jax.lax.scan(layer, (x_BxLxD, zeros), (stacked, cache_kv), unroll=scan_unroll())
 
 
 class MoE(Llama):

@@ -34,9 +34,8 @@ class TrainConfig:
   grad_dtype: str = "auto"  # "auto" (the stored params'), "fp32", or "bf16" under bf16
   early_grad_reduce: bool = True  # reduce weight grads where made (sharding/early_grads.py)
   remat: str = "none"
-  # "opt_state": the stored (master) weights and the optimizer state live in host memory
-  # and stream to the device for the update.
-  offload: str = "none"
+  scan_unroll: int = 1  # layers per layer-scan iteration; n_layers unrolls (performance.md)
+  offload: str = "none"  # "opt_state": master weights and optimizer state in host memory
   seed: int = 0
   log_every: int = 10
   eval_batches: int = 8
@@ -48,11 +47,11 @@ class TrainConfig:
 
   def __post_init__(self):
     positive = (lambda v: v > 0, "> 0")
-    at_least_1 = (lambda v: v >= 1, ">= 1")
     non_negative = (lambda v: v >= 0, ">= 0")
     fraction = (lambda v: 0 <= v < 1, "in [0, 1)")
-    bounds = {**dict.fromkeys(("steps", "global_batch", "seq_len", "microbatches", "log_every",
-                               "eval_batches", "max_skipped", "pipeline_repeats"), at_least_1),
+    counts = ("steps", "global_batch", "seq_len", "microbatches", "log_every", "eval_batches",
+              "max_skipped", "pipeline_repeats", "scan_unroll")
+    bounds = {**dict.fromkeys(counts, (lambda v: v >= 1, ">= 1")),
               **dict.fromkeys(("lr", "clip_norm", "eps"), positive),
               **dict.fromkeys(("weight_decay", "warmup_steps", "eval_every"), non_negative),
               "b1": fraction, "b2": fraction,
@@ -167,7 +166,7 @@ def to_dict(cfg) -> dict:
 
 # What a resumed run must share with its checkpoint: the model, the optimizer's update rule,
 # the numerics and which batches come next. The schedule (lr, warmup_steps, min_lr_ratio,
-# steps), logging, evaluation, remat, loss_chunk, the mesh, strategy and rules may change.
+# steps), logging, evaluation, remat, scan_unroll, loss_chunk, mesh, strategy, rules may change.
 RESUME_FIELDS = ("model", "train.optimizer", "train.b1", "train.b2", "train.eps",
                  "train.weight_decay", "train.decay_norms_and_embeddings", "train.clip_norm",
                  "train.precision", "train.grad_dtype", "train.global_batch", "train.seq_len",

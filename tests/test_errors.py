@@ -194,6 +194,7 @@ def test_nonfinite_and_checkpoint_options_are_checked():
     ("min_lr_ratio", 2.0, r"train.min_lr_ratio must be in \[0, 1\], got 2.0"),
     ("seed", -1, r"train.seed must be in \[0, 2\*\*63\), got -1"),
     ("seed", 10**20, r"train.seed must be in \[0, 2\*\*63\), got 100000000000000000000"),
+    ("scan_unroll", 0, r"train.scan_unroll must be >= 1, got 0"),
 ])
 def test_train_values_out_of_range(field, value, message):
   with pytest.raises(ConfigError, match=message):

@@ -21,19 +21,24 @@ _PIPELINE: contextvars.ContextVar = contextvars.ContextVar("shardlab_pipeline",
                                                             default=(1, 1))
 # (mesh, gradient table) while a train step that reduces gradients early is traced.
 _GRADS: contextvars.ContextVar = contextvars.ContextVar("shardlab_gradient_rules", default=None)
+# Layers per iteration of a layer scan (train.scan_unroll) while a step is traced.
+_UNROLL: contextvars.ContextVar = contextvars.ContextVar("shardlab_scan_unroll", default=1)
 
 
 @contextlib.contextmanager
 def activation_rules(mesh: Mesh, rules: Rules, pipeline: tuple[int, int] = (1, 1),
-                     early_grads: bool = False):
+                     early_grads: bool = False, scan_unroll: int = 1):
   """Traces under `rules`; `pipeline` is (microbatches, repeats) for a pipelined layer scan;
-  `early_grads` turns on sharding.early_grads.reduce_grads_early."""
+  `early_grads` turns on sharding.early_grads.reduce_grads_early; `scan_unroll` is what
+  `scan_unroll()` returns."""
   token = _ACTIVE.set((mesh, rules.activations))
   schedule = _PIPELINE.set(tuple(pipeline))
   grads = _GRADS.set((mesh, rules.grads) if early_grads else None)
+  unroll = _UNROLL.set(scan_unroll)
   try:
     yield
   finally:
+    _UNROLL.reset(unroll)
     _GRADS.reset(grads)
     _PIPELINE.reset(schedule)
     _ACTIVE.reset(token)
@@ -42,6 +47,12 @@ def activation_rules(mesh: Mesh, rules: Rules, pipeline: tuple[int, int] = (1, 1
 def pipeline_schedule() -> tuple[int, int]:
   """(microbatches, repeats) the active step gives a pipeline."""
   return _PIPELINE.get()
+
+
+def scan_unroll() -> int:
+  """Layers per iteration of a model's layer scan in the step being traced (1 outside one):
+  the `unroll` of its lax.scan."""
+  return _UNROLL.get()
 
 
 def gradient_rules() -> tuple[Mesh, dict] | None:

@@ -32,6 +32,7 @@ def describe(run: Run) -> str:
       (f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""),
       f"strategy {cfg.strategy}   precision {run.abstract.policy.name}   optimizer "
       f"{cfg.train.optimizer}   remat {cfg.train.remat}   offload {cfg.train.offload}" +
+      (f"   scan unroll {cfg.train.scan_unroll}" if cfg.train.scan_unroll > 1 else "") +
       (f"   LoRA rank {cfg.lora.rank} on {cfg.lora.targets}" if cfg.lora.rank else ""),
       f"batch    {cfg.train.global_batch} × {cfg.train.seq_len} tokens, "
       f"{cfg.train.microbatches} microbatch(es), {cfg.train.steps} steps",

@@ -164,10 +164,12 @@ def make_steps(cfg: Config, abstract: state_lib.Abstract, shardings_: state_lib.
                                    grad_dtype=cfg.train.grad_dtype,
                                    early_grads=cfg.train.early_grad_reduce,
                                    nonfinite=cfg.train.nonfinite,
-                                   pipeline_repeats=cfg.train.pipeline_repeats),
+                                   pipeline_repeats=cfg.train.pipeline_repeats,
+                                   scan_unroll=cfg.train.scan_unroll),
           step_lib.make_eval_step(loss, abstract, shardings_,
                                   microbatches=cfg.train.microbatches,
-                                  pipeline_repeats=cfg.train.pipeline_repeats))
+                                  pipeline_repeats=cfg.train.pipeline_repeats,
+                                  scan_unroll=cfg.train.scan_unroll))
 
 
 def setup(cfg: Config, with_data: bool = True, devices=None) -> Run:

@@ -139,13 +139,15 @@ def _check_options(nonfinite: str, shardings: Shardings) -> None:
 def make_train_step(loss_fn: LossFn, abstract: Abstract, shardings: Shardings, *,
                     microbatches: int = 1, lr_schedule: optax.Schedule | None = None,
                     grad_dtype: str = "auto", nonfinite: str = "stop",
-                    pipeline_repeats: int = 1, early_grads: bool = True):
+                    pipeline_repeats: int = 1, early_grads: bool = True,
+                    scan_unroll: int = 1):
   """jit(state, batch) -> (state, metrics); `state` is donated. Metrics: loss, grad_norm,
   finite (both are finite), the loss's aux entries (averaged over microbatches) and, given a
   schedule, lr. `grad_dtype`: "auto", "fp32" or "bf16" (see precision.gradient_dtype).
   `nonfinite`: "stop" applies every update (the caller stops on `finite`); "skip" keeps the
   params and optimizer state of a non-finite step as they were and reports skipped = 1.
-  `early_grads`: reduce weight gradients where the model asks (sharding.early_grads)."""
+  `early_grads`: reduce weight gradients where the model asks (sharding.early_grads).
+  `scan_unroll`: layers per iteration of the model's layer scan (sharding.activations)."""
   _check_options(nonfinite, shardings)
   dtype = precision.gradient_dtype(abstract.policy, grad_dtype)
   loss = working_loss(loss_fn, abstract)
@@ -158,7 +160,7 @@ def make_train_step(loss_fn: LossFn, abstract: Abstract, shardings: Shardings, *
   looped, schedule = pipeline_split(shardings, microbatches, pipeline_repeats)
 
   def train_step(state: TrainState, batch):
-    with activation_rules(shardings.mesh, shardings.rules, schedule, early_grads):
+    with activation_rules(shardings.mesh, shardings.rules, schedule, early_grads, scan_unroll):
       working = working_copy(_on_device(state.params, shardings.on_device.params), abstract,
                              shardings)
       fixed = abstract.fixed(working)
@@ -215,7 +217,7 @@ class _Checked:
 
 
 def make_eval_step(loss_fn: LossFn, abstract: Abstract, shardings: Shardings, *,
-                   microbatches: int = 1, pipeline_repeats: int = 1):
+                   microbatches: int = 1, pipeline_repeats: int = 1, scan_unroll: int = 1):
   """jit(params, batch) -> mean loss. Under a pipeline it runs the train step's schedule
   (train.microbatches, train.pipeline_repeats), not a one-microbatch GPipe that would leave
   (S − 1)/S of it bubble; without one the whole batch goes through at once."""
@@ -224,7 +226,7 @@ def make_eval_step(loss_fn: LossFn, abstract: Abstract, shardings: Shardings, *,
 
   def eval_step(params, batch):
     params = _on_device(params, shardings.on_device.params)
-    with activation_rules(shardings.mesh, shardings.rules, schedule):
+    with activation_rules(shardings.mesh, shardings.rules, schedule, scan_unroll=scan_unroll):
       return loss(params, batch)[0]
 
   return jax.jit(eval_step, in_shardings=(shardings.state.params, shardings.batch),
