@@ -21,10 +21,8 @@ from shardlab.models import context, dot
 from shardlab.models.decoder import ACTIVATIONS
 from shardlab.sharding.activations import constrain
 from shardlab.sharding.early_grads import reduce_grads_early
-from shardlab.sharding.reduce_scatter import weight_gradient
 
 BATCH_KEYS = ("tokens", "segment_ids", "positions")
-HEAD = ("embed", "vocab")  # the output head's logical axes
 
 
 def next_token_loss(model, batch, chunk: int = 0):
@@ -76,7 +74,7 @@ def cross_entropy(x_BxLxD, head_DxV, targets_BxL, chunk: int = 0, weights_BxL=No
   with a large vocabulary these dominate activation memory — at the cost of computing the
   logits twice."""
   # The head's gradient reduced before the layers' backward starts (sharding.early_grads).
-  x_BxLxD, (head_DxV,) = reduce_grads_early(x_BxLxD, head_DxV, names=[HEAD])
+  x_BxLxD, (head_DxV,) = reduce_grads_early(x_BxLxD, head_DxV, names=[("embed", "vocab")])
   b, l, _ = x_BxLxD.shape
   count = b * l if weights_BxL is None else jnp.maximum(weights_BxL.sum(), 1.0)
   if chunk <= 0:
@@ -125,9 +123,7 @@ def _summed_backward(residuals, g):
   d_logits = ((probs.astype(jnp.float32) - onehot) * g).astype(x_BxCxD.dtype)
   d_logits = constrain(d_logits, ACTIVATIONS["logits"])
   d_x = dot.einsum("bcv,dv->bcd", d_logits, head_DxV, copies=False)
-  d_head = weight_gradient("bcd,bcv->dv", x_BxCxD, ACTIVATIONS["residual"], d_logits,
-                           ACTIVATIONS["logits"], HEAD,
-                           lambda: dot.einsum("bcd,bcv->dv", x_BxCxD, d_logits, copies=False))
+  d_head = dot.einsum("bcd,bcv->dv", x_BxCxD, d_logits, copies=False)
   return d_x, d_head.astype(head_DxV.dtype), None, None if w_BxC is None else 0 * w_BxC
 
 

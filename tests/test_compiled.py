@@ -15,9 +15,8 @@ mesh axes each replica group spans) and matched against the parameters:
 XLA:CPU has no pass that forms reduce-scatter: a gradient bound for a sharded layout is
 all-reduced whole and then sliced. The reduce-scatter tests therefore xfail on CPU (strictly,
 so they start passing on a backend that forms reduce-scatter), a CPU test pins the lowering
-XLA:CPU does choose — and the output head's gradient, which shardlab reduce-scatters itself
-there (shardlab/sharding/reduce_scatter.py) — and where libtpu is installed the same step
-is compiled for a TPU v5e 2x4 topology, whose compiler does form reduce-scatters.
+XLA:CPU does choose, and where libtpu is installed the same step is compiled for a TPU
+v5e 2x4 topology, whose compiler does form reduce-scatters.
 """
 
 import functools
@@ -268,30 +267,14 @@ def test_gradients_are_reduce_scattered(strategy):
 @pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
 def test_cpu_reduces_sharded_gradients_with_all_reduce(strategy):
   """What XLA:CPU does instead of reduce-scatter: every gradient is all-reduced whole over
-  the batch axes (and each device then keeps its slice), except the output head's, which
-  the loss reduce-scatters in shard_map. If this starts failing, check whether the
-  reduce-scatter test above now passes."""
-  r = H.run(strategy)
-  axes = {a for a in r.rules.batch_axes if r.mesh.shape.get(a, 1) > 1}
-  head = [w for w in weights(strategy) if w[0] == ("head_DxV",)]
-  assert len(head) == 1
-  whole = head[0][1]
-  shard = local(whole, head[0][2], r.mesh, r.rules.batch_axes)
-  scattered = ops(strategy, "reduce-scatter")
-  assert [(c.shapes, c.operand_shapes) for c in scattered] == [((shard,), (whole,))]
-  assert spans(strategy, scattered[0]) == axes
-  for path, shape, _ in weights(strategy):
-    if path != ("head_DxV",):
-      assert find(strategy, "all-reduce", shape, axes=axes), (
-          f"{path}: no all-reduce of the whole {shape} gradient over {axes}")
-
-
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="pins XLA:CPU's lowering")
-@pytest.mark.parametrize("strategy", ["dp", "zero1", "tp", "fsdp_tp"])
-def test_cpu_reduce_scatters_nothing_outside_plain_fsdp_layouts(strategy):
-  """The head's own reduce-scatter needs the batch split over exactly the axes that split
-  its gradient, and nothing else split; every other layout is left as XLA lowers it."""
+  the batch axes (and each device then keeps its slice). If this starts failing, check
+  whether the reduce-scatter test above now passes."""
   assert not ops(strategy, "reduce-scatter")
+  mesh = H.run(strategy).mesh
+  axes = {a for a in H.run(strategy).rules.batch_axes if mesh.shape.get(a, 1) > 1}
+  for path, shape, _ in weights(strategy):
+    assert find(strategy, "all-reduce", shape, axes=axes), (
+        f"{path}: no all-reduce of the whole {shape} gradient over {axes}")
 
 
 # ---- the same steps compiled for a TPU topology ----------------------------------------
