@@ -33,7 +33,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from shardlab import config  # noqa: E402
-from shardlab.models import dot, registry  # noqa: E402
+from shardlab.models import registry  # noqa: E402
+from shardlab.parallel import dot  # noqa: E402
 from shardlab.models.llama_config import LlamaConfig  # noqa: E402
 from shardlab.sharding import mesh  # noqa: E402
 from shardlab.training import run as run_lib  # noqa: E402

@@ -40,7 +40,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from shardlab import config  # noqa: E402
-from shardlab.models import pipeline  # noqa: E402
+from shardlab.parallel import pipeline  # noqa: E402
 from shardlab.models.llama_config import LlamaConfig  # noqa: E402
 from shardlab.sharding import mesh as mesh_lib  # noqa: E402
 from shardlab.training import run as run_lib  # noqa: E402

@@ -1,24 +1,20 @@
 """A mixture of SwiGLU experts with a top-k router (Shazeer et al. 2017; Switch, Fedus et al.
 2021; Mixtral, Jiang et al. 2024).
 
-The router runs in fp32 on the whole (sharded) batch: softmax over the experts, the top k
-kept and renormalised to sum to 1 (Mixtral's rule). Its statistics give the load-balancing
-loss E · Σ_e f_e · P_e (f_e: the fraction of token-choices that picked e, summed over the k
-choices; P_e: the mean router probability of e; k at perfect balance, as Hugging Face's
-Mixtral computes it) and the router z-loss mean(logsumexp(logits)²) (ST-MoE, Zoph et al.
-2022). Both are global over the batch, so they are the same on every mesh. Dispatch, the
-experts' matmuls and the combine run in models/dispatch.py, per device.
+The router runs in fp32 on the whole (sharded) batch (shardlab.parallel.route: softmax, top
+k, renormalised — Mixtral's rule); its load-balancing and z losses come back per layer
+(shardlab.parallel.router_stats). Dispatch, the experts' matmuls and the combine run in
+shardlab.parallel.experts, per device, under expert parallelism when the rules say so.
 Shape suffixes: B batch, L length, D d_model, E experts, F mlp, K experts per token.
 """
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardlab.models import dispatch
-from shardlab.models.decoder import stacked_param as _param
+from shardlab import parallel
+from shardlab.parallel import stacked_param as _param
 
-DISPATCH = dispatch.MODES
+DISPATCH = parallel.DISPATCH_MODES
 ROUTER_NAMES = ("embed", None)  # the router's expert dim is small: never split
 EXPERT_NAMES = {"in": ("experts", "embed", "mlp"), "out": ("experts", "mlp", "embed")}
 STATS = ("load_balance", "router_z", "dropped")  # per layer, summed over layers by the model
@@ -39,28 +35,11 @@ class Experts(nnx.Module):
     """(output B×L×D, {load_balance, router_z, dropped fraction}) of this layer."""
     logits_BxLxE = jnp.einsum("bld,de->ble", x_BxLxD.astype(jnp.float32),
                               self.router_DxE[...].astype(jnp.float32))
-    weights_BxLxK, experts_BxLxK = route(logits_BxLxE, self.k)
-    stats = router_stats(logits_BxLxE, experts_BxLxK)
+    weights_BxLxK, experts_BxLxK = parallel.route(logits_BxLxE, self.k)
+    stats = parallel.router_stats(logits_BxLxE, experts_BxLxK)
     weights = (self.gate_ExDxF[...], self.up_ExDxF[...], self.down_ExFxD[...])
-    y_BxLxD, kept_BxLxK = dispatch.run(x_BxLxD, experts_BxLxK,
-                                       weights_BxLxK.astype(x_BxLxD.dtype), weights,
-                                       self.mode, self.capacity_factor)
+    y_BxLxD, kept_BxLxK = parallel.experts(x_BxLxD, experts_BxLxK,
+                                           weights_BxLxK.astype(x_BxLxD.dtype), weights,
+                                           self.mode, self.capacity_factor)
     stats["dropped"] = 1.0 - jnp.mean(kept_BxLxK.astype(jnp.float32))
     return y_BxLxD, stats
-
-
-def route(logits_BxLxE, k: int):
-  """(weights, expert ids), B×L×K each: the top k of the softmax, renormalised."""
-  probs = jax.nn.softmax(logits_BxLxE, axis=-1)
-  top_p, top_e = jax.lax.top_k(probs, k)
-  return top_p / jnp.sum(top_p, axis=-1, keepdims=True), top_e.astype(jnp.int32)
-
-
-def router_stats(logits_BxLxE, experts_BxLxK) -> dict:
-  n_experts = logits_BxLxE.shape[-1]
-  probs_E = jnp.mean(jax.nn.softmax(logits_BxLxE, axis=-1), axis=(0, 1))
-  chosen = jax.nn.one_hot(experts_BxLxK, n_experts, dtype=jnp.float32)
-  fraction_E = jnp.sum(jnp.mean(chosen, axis=(0, 1)), axis=0)
-  z = jax.nn.logsumexp(logits_BxLxE, axis=-1)
-  return {"load_balance": n_experts * jnp.sum(fraction_E * probs_E),
-          "router_z": jnp.mean(z * z)}

@@ -1,7 +1,7 @@
 """A GPT-2-family decoder in Flax NNX: learned positions, pre-LayerNorm blocks with biases,
 multi-head attention, a GELU (tanh) MLP, and the output head tied to the token embedding.
 
-Parameters are stacked over `layers` and scanned like the llama model's (models/decoder.py);
+Parameters are stacked over `layers` and scanned like the llama model's (shardlab.parallel.scan);
 the layout matches Hugging Face's GPT2LMHeadModel tensor for tensor (c_attn split into q, k, v).
 Shape suffixes: B batch, L length, P positions, D d_model, H heads, E head_dim, F mlp, V vocab.
 """
@@ -10,12 +10,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardlab.models import dot
+from shardlab import parallel
 from shardlab.models.decoder import ACTIVATIONS, Block, KVCache, attend, causal_mask, embed
 from shardlab.models.decoder import logits
-from shardlab.models.decoder import scan_blocks, stacked_param as _param
-from shardlab.sharding.activations import constrain
-from shardlab.sharding.early_grads import reduce_grads_early
+from shardlab.models.decoder import scan_blocks
+from shardlab.parallel import constrain, reduce_grads_early, stacked_param as _param
 
 # Rank alone would decay these matrices: a stacked norm's scale and bias, and both tables.
 NO_WEIGHT_DECAY = ("scale", "bias", "wte_VxD", "wpe_PxD")
@@ -55,11 +54,11 @@ class Attention(nnx.Module):
     self.impl = cfg.attention
 
   def __call__(self, x_BxLxD, mask_LxM, index, cache_kv=None):
-    q, k, v = (dot.einsum("bld,dhe->blhe", x_BxLxD, w[...]) + b[...]
+    q, k, v = (parallel.einsum("bld,dhe->blhe", x_BxLxD, w[...]) + b[...]
                for w, b in ((self.q_DxHxE, self.q_bias_HxE), (self.k_DxHxE, self.k_bias_HxE),
                             (self.v_DxHxE, self.v_bias_HxE)))
     out, cache_kv = attend(q, k, v, mask_LxM, cache_kv, index, self.impl)
-    return dot.einsum("blhe,hed->bld", out, self.o_HxExD[...]) + self.o_bias_D[...], cache_kv
+    return parallel.einsum("blhe,hed->bld", out, self.o_HxExD[...]) + self.o_bias_D[...], cache_kv
 
 
 class MLP(nnx.Module):
@@ -74,10 +73,10 @@ class MLP(nnx.Module):
   def __call__(self, x_BxLxD):
     # As Llama's MLP: each weight gradient reduced before the backward goes on below it.
     x, (w_fc,) = reduce_grads_early(x_BxLxD, self.fc_DxF)
-    h = dot.einsum("bld,df->blf", x, w_fc) + self.fc_bias_F[...]
+    h = parallel.einsum("bld,df->blf", x, w_fc) + self.fc_bias_F[...]
     h_BxLxF = constrain(jax.nn.gelu(h, approximate=True), ACTIVATIONS["mlp_hidden"])
     h_BxLxF, (w_proj,) = reduce_grads_early(h_BxLxF, self.proj_FxD)
-    return dot.einsum("blf,fd->bld", h_BxLxF, w_proj) + self.proj_bias_D[...]
+    return parallel.einsum("blf,fd->bld", h_BxLxF, w_proj) + self.proj_bias_D[...]
 
 
 def block(cfg, dtype, rngs: nnx.Rngs, stack=()) -> Block:

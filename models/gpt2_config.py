@@ -9,7 +9,8 @@ import dataclasses
 from flax import nnx
 
 from shardlab.errors import ConfigError, unknown
-from shardlab.models import attention, decoder, gpt2
+from shardlab import parallel
+from shardlab.models import decoder, gpt2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,17 +22,17 @@ class GPT2Config:
   n_heads: int = 12
   max_seq_len: int = 1024  # n_positions: the learned position table's rows
   norm_eps: float = 1e-5
-  attention: str = "xla"  # "xla" | "flash" | "auto": models/attention.py
+  attention: str = "xla"  # "xla" | "flash" | "auto": shardlab.parallel.attention
   arch: str = "gpt2"
 
   activations = decoder.ACTIVATIONS
   no_weight_decay = gpt2.NO_WEIGHT_DECAY
-  remat_policies = tuple(decoder.REMAT_POLICIES)
+  remat_policies = tuple(parallel.REMAT_POLICIES)
   tie_embeddings = True
   # For the planner, as in LlamaConfig (print_saved_residuals of this model): per LayerNorm
   # three fp32 tensors (x − mean, its square's cotangent factor, the normalised x) and its
   # output; q, k, v, the attention output; the probabilities (the softmax's gradient is
-  # written out, models/decoder.py); the GELU
+  # written out, shardlab.parallel.softmax); the GELU
   # (tanh) MLP's six F-wide intermediates. Matmul outputs kept: o-proj, q, k, v and fc.
   saved_activations = {"d": (6, 2), "q": (0, 2), "kv": (0, 2), "scores": (0, 1),
                        "mlp": (0, 6)}
@@ -44,8 +45,8 @@ class GPT2Config:
         raise ConfigError(f"model.{f} must be >= 1, got {getattr(self, f)}")
     if not self.norm_eps > 0:
       raise ConfigError(f"model.norm_eps must be > 0, got {self.norm_eps}")
-    if self.attention not in attention.IMPLEMENTATIONS:
-      raise unknown("model.attention", self.attention, attention.IMPLEMENTATIONS)
+    if self.attention not in parallel.ATTENTION_IMPLEMENTATIONS:
+      raise unknown("model.attention", self.attention, parallel.ATTENTION_IMPLEMENTATIONS)
     if self.d_model % self.n_heads:
       raise ConfigError(f"model.d_model ({self.d_model}) must be a multiple of model.n_heads "
                         f"({self.n_heads})")

@@ -1,9 +1,9 @@
 """A llama-style decoder in Flax NNX: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
 Every parameter carries logical axis names and key activations are constrained by name
-(shardlab.sharding.activations.constrain); which mesh axes those names mean is decided by the
+(shardlab.parallel.constrain); which mesh axes those names mean is decided by the
 strategy, never here. The blocks' parameters are stacked along a leading `layers` axis and
-applied with lax.scan (models/decoder.py), so compile time does not grow with depth.
+applied with the layer scan (shardlab.parallel.scan), so compile time does not grow with depth.
 Shape suffixes: B batch, L length, D d_model, H heads, K kv heads, E head_dim, F mlp,
 V vocab, N layers.
 """
@@ -14,12 +14,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardlab.models import context, lora, rope
+from shardlab import parallel
+from shardlab.models import rope
 from shardlab.models.decoder import ACTIVATIONS, Block, KVCache, attend, causal_mask, embed
 from shardlab.models.decoder import logits
-from shardlab.models.decoder import scan_blocks, stacked_param as _param
-from shardlab.sharding.activations import constrain
-from shardlab.sharding.early_grads import reduce_grads_early
+from shardlab.models.decoder import scan_blocks
+from shardlab.parallel import constrain, reduce_grads_early, stacked_param as _param
+from shardlab.parallel import swiglu  # noqa: F401 (models.llama.swiglu, as before)
 
 # Decayed by rank alone these would be: norm scales are 2-D once stacked, the table a matrix.
 NO_WEIGHT_DECAY = ("scale", "embed_VxD")
@@ -129,7 +130,7 @@ class MLP(nnx.Module):
     return _project(self, "down", h_BxLxF, w_down)
 
 
-# LoRA (models/lora.py): each target's projection einsum and the weight it adapts.
+# LoRA (shardlab.parallel.lora_adapter): each target's projection einsum and the weight it adapts.
 LORA_SPECS = {"q": "bld,dhe->blhe", "k": "bld,dke->blke", "v": "bld,dke->blke",
               "o": "blhe,hed->bld", "gate": "bld,df->blf", "up": "bld,df->blf",
               "down": "blf,fd->bld"}
@@ -139,43 +140,20 @@ LORA_WEIGHTS = {"q": "q_DxHxE", "k": "k_DxKxE", "v": "v_DxKxE", "o": "o_HxExD",
 
 def _project(module: nnx.Module, target: str, x, weight: jax.Array):
   """The target's projection of x, with its adapter's update when it has one."""
-  return lora.project(LORA_SPECS[target], x, weight,
-                      getattr(module, lora.PREFIX + target, None))
+  return parallel.lora_project(LORA_SPECS[target], x, weight,
+                               getattr(module, parallel.LORA_PREFIX + target, None))
 
 
 def _adapter(lora_cfg, target: str, weight: nnx.Param, dtype, rngs, stack):
   names = weight.get_metadata()["out_sharding"][len(stack):]
-  return lora.maybe(lora_cfg, target, LORA_SPECS[target], weight.shape[len(stack):], names,
+  return parallel.lora_adapter(lora_cfg, target, LORA_SPECS[target], weight.shape[len(stack):], names,
                     dtype, rngs, stack)
-
-
-# silu(gate)·up with its gradient written out, so that only gate and up are kept for the
-# backward (autodiff keeps silu's internals and silu(gate) too: four more B×L×F residuals,
-# in fp32 where the backend computes bf16 elementwise in fp32).
-@jax.custom_vjp
-def swiglu(gate, up):
-  return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
-
-
-def _swiglu_forward(gate, up):
-  return swiglu(gate, up), (gate, up)
-
-
-def _swiglu_backward(residuals, d_h):
-  gate, up = residuals
-  g, u, d = (t.astype(jnp.float32) for t in (gate, up, d_h))
-  sig = jax.nn.sigmoid(g)
-  d_gate = d * u * sig * (1 + g * (1 - sig))
-  return d_gate.astype(gate.dtype), (d * g * sig).astype(up.dtype)
-
-
-swiglu.defvjp(_swiglu_forward, _swiglu_backward)
 
 
 def block(cfg, dtype, rngs: nnx.Rngs, stack=(), lora_cfg=None) -> Block:
   """One layer (stacked over `stack`); with `lora_cfg` (a LoraConfig) its targets get
   adapters, drawn from their own stream so the base init is the same with or without."""
-  extra = {} if lora_cfg is None else {"lora_cfg": lora_cfg, "lora_rngs": lora.adapter_rngs(rngs)}
+  extra = {} if lora_cfg is None else {"lora_cfg": lora_cfg, "lora_rngs": parallel.adapter_rngs(rngs)}
   return Block(RMSNorm(cfg, dtype, rngs, stack), Attention(cfg, dtype, rngs, stack, **extra),
                RMSNorm(cfg, dtype, rngs, stack), MLP(cfg, dtype, rngs, stack, **extra))
 
@@ -232,10 +210,10 @@ class Llama(nnx.Module):
       positions_BxL = jnp.broadcast_to(start + jnp.arange(l), (b, l))
     doc, restore = None, lambda x: x
     shape = (b, l, self.cfg.d_model)
-    if cache is None and (segments_BxL is not None or context.split(context.RESIDUAL, shape)):
+    if cache is None and (segments_BxL is not None or parallel.is_context_parallel(shape)):
       if segments_BxL is None:
         segments_BxL = jnp.ones((b, l), jnp.int32)
-      (tokens_BxL, positions_BxL, segments_BxL), restore = context.zigzag(
+      (tokens_BxL, positions_BxL, segments_BxL), restore = parallel.zigzag(
           shape, tokens_BxL, positions_BxL, segments_BxL)
       doc = (positions_BxL, segments_BxL)
     x = embed(self.embed_VxD[...], tokens_BxL)

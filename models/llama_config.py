@@ -9,7 +9,8 @@ import dataclasses
 from flax import nnx
 
 from shardlab.errors import ConfigError, unknown
-from shardlab.models import attention, context, decoder, llama, rope
+from shardlab import parallel
+from shardlab.models import decoder, llama, rope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +33,8 @@ class LlamaConfig:
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
   max_seq_len: int = 2048
-  attention: str = "xla"  # "xla" | "flash" | "auto": models/attention.py
-  kv_exchange: str = "all-gather"  # "all-gather" | "ring": context parallelism, models/context.py
+  attention: str = "xla"  # "xla" | "flash" | "auto": shardlab.parallel.attention
+  kv_exchange: str = "all-gather"  # "all-gather" | "ring": context parallelism (shardlab.parallel.attention)
   arch: str = "llama"
   # The tokenizer's special ids a Hugging Face export writes (config.json and
   # generation_config.json); eos may list several ids, comma-separated ("128001,128009").
@@ -44,7 +45,7 @@ class LlamaConfig:
   # What the core asks of a bundled model.
   activations = decoder.ACTIVATIONS
   no_weight_decay = llama.NO_WEIGHT_DECAY
-  remat_policies = tuple(decoder.REMAT_POLICIES)
+  remat_policies = tuple(parallel.REMAT_POLICIES)
   # What autodiff saves per layer, for the planner (shardlab/plan/memory.py), by shape — d
   # B×L×D, q B×L×H×E, kv B×L×K×E, scores B×H×L×L, mlp B×L×F — as (fp32, compute-dtype)
   # counts; read off jax.ad_checkpoint.print_saved_residuals of this model. Each RMSNorm's
@@ -67,9 +68,10 @@ class LlamaConfig:
     if not self.rope_theta > 0 or not self.norm_eps > 0:
       raise ConfigError(f"model.rope_theta and model.norm_eps must be > 0, got "
                         f"{self.rope_theta} and {self.norm_eps}")
-    if self.attention not in attention.IMPLEMENTATIONS:
-      raise unknown("model.attention", self.attention, attention.IMPLEMENTATIONS)
-    context.check_exchange(self.kv_exchange)
+    if self.attention not in parallel.ATTENTION_IMPLEMENTATIONS:
+      raise unknown("model.attention", self.attention, parallel.ATTENTION_IMPLEMENTATIONS)
+    if self.kv_exchange not in parallel.KV_EXCHANGES:
+      raise unknown("model.kv_exchange", self.kv_exchange, parallel.KV_EXCHANGES)
     rope.check(self)
     self.eos_ids  # parses
     if self.n_heads % self.n_kv_heads:

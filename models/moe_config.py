@@ -11,6 +11,7 @@ import math
 
 from flax import nnx
 
+from shardlab import parallel
 from shardlab.errors import ConfigError, unknown
 from shardlab.models import decoder, experts, llama, moe
 from shardlab.models.llama_config import LlamaConfig
@@ -31,7 +32,7 @@ class MoEConfig(LlamaConfig):
 
   activations = decoder.ACTIVATIONS
   no_weight_decay = llama.NO_WEIGHT_DECAY
-  remat_policies = tuple(decoder.REMAT_POLICIES)
+  remat_policies = tuple(parallel.REMAT_POLICIES)
   lora_targets = ()
   lora_weights = {}
 
@@ -56,7 +57,7 @@ class MoEConfig(LlamaConfig):
     r rows a token (k dropless; capacity_factor · k slots in capacity mode), each keeping
     SwiGLU's three F-wide residuals and four D-wide copies (dispatched, exchanged, the
     experts' output and its return), plus the k rows gathered for the combine. Dropless
-    under expert parallelism pads its exchange to N× this (models/dispatch.py), which the
+    under expert parallelism pads its exchange to N× this (shardlab.parallel.experts), which the
     config cannot see: the planner underestimates it (docs/moe.md)."""
     k = self.experts_per_token
     rows = k * (self.capacity_factor if self.dispatch == "capacity" else 1)

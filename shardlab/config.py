@@ -32,7 +32,7 @@ class TrainConfig:
   clip_norm: float = 1.0
   precision: str = "auto"
   grad_dtype: str = "auto"  # "auto" (the stored params'), "fp32", or "bf16" under bf16
-  early_grad_reduce: bool = True  # reduce weight grads where made (sharding/early_grads.py)
+  early_grad_reduce: bool = True  # reduce weight grads where made (parallel/early_grads.py)
   remat: str = "none"
   scan_unroll: int = 1  # layers per layer-scan iteration; n_layers unrolls (performance.md)
   offload: str = "none"  # "opt_state": master weights and optimizer state in host memory

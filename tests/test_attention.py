@@ -1,4 +1,4 @@
-"""models/attention.py: the blockwise path against decoder.attend (values and gradients), on a
+"""shardlab/parallel/flash.py: the blockwise path against attention.attend (values and gradients), on a
 sharded mesh, its memory; the TPU path run in Pallas interpret mode and compiled for a v5e
 topology; the GPU path lowered to cuDNN's custom call."""
 
@@ -12,7 +12,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import helpers as H
-from shardlab.models import attention, decoder
+from shardlab.parallel import flash as attention
+from shardlab.parallel.attention import attend, causal_mask
 from shardlab.plan import aot
 from shardlab.sharding import rules as rules_lib
 from shardlab.sharding.activations import activation_rules
@@ -31,7 +32,7 @@ def inputs(b, l, h, kv, e, dtype, seed=0):
 
 
 def reference(q, k, v):
-  return decoder.attend(q, k, v, decoder.causal_mask(q.shape[1], None, 0))[0]
+  return attend(q, k, v, causal_mask(q.shape[1]))[0]
 
 
 def with_grads(f):

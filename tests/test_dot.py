@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shardlab.models import dot
+from shardlab.parallel import dot
 
 SPECS = [("bld,df->blf", (2, 3, 8), (8, 5)), ("blhe,hed->bld", (2, 3, 4, 6), (4, 6, 8)),
          ("blkge,bmke->bkglm", (2, 5, 2, 3, 4), (2, 7, 2, 4))]

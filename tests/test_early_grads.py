@@ -1,4 +1,4 @@
-"""Early gradient reduction (shardlab/sharding/early_grads.py): the step computes what it
+"""Early gradient reduction (shardlab/parallel/early_grads.py): the step computes what it
 computes without it, the MLP's and the head's weight gradients are reduced to their shards
 inside the optimization barriers that release the backward below them, a frozen weight
 still gets no gradient matmul, and outside a train step nothing is tied."""
@@ -12,7 +12,7 @@ from flax import nnx
 
 import helpers as H
 from shardlab.models import llama
-from shardlab.sharding.early_grads import reduce_grads_early
+from shardlab.parallel import reduce_grads_early
 from test_lora import lora_config
 
 FP32_ADAM = dict(rtol=1e-5, scaled_atol=3e-5)  # tests/test_parity.py's

@@ -4,20 +4,23 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# cli → {plan, hf, generate, testing} → training → {parallel, observe} → models →
-# sharding → {config, runtime, meshes} → errors. A module imports only lower ranks (or its
-# own group).
+# cli → {plan, hf, generate, testing} → training → observe → models → parallel → sharding →
+# {config, runtime, meshes} → errors. A module imports only lower ranks (or its own group).
 RANKS = {
-    "shardlab.cli": 7,
-    "shardlab.plan": 6, "shardlab.hf": 6, "shardlab.generate": 6, "shardlab.testing": 6,
-    "shardlab.training": 5,
-    "shardlab.parallel": 4, "shardlab.observe": 4,
-    "shardlab.models": 3,
+    "shardlab.cli": 8,
+    "shardlab.plan": 7, "shardlab.hf": 7, "shardlab.generate": 7, "shardlab.testing": 7,
+    "shardlab.training": 6,
+    "shardlab.observe": 5,
+    "shardlab.models": 4,
+    "shardlab.parallel": 3,
     "shardlab.sharding": 2,
     "shardlab.config": 1, "shardlab.runtime": 1, "shardlab.meshes": 1,
     "shardlab.errors": 0,
     "shardlab": 0,  # the package: a lazy table of names, importing nothing
 }
+# What a bundled architecture may import from shardlab: the public names only, as a user's
+# own module would (the package's lazy table, the building blocks, the errors, Config).
+PUBLIC = {"shardlab", "shardlab.parallel", "shardlab.errors", "shardlab.config"}
 MAX_LINES, MAX_FUNCTION_LINES = 300, 60
 
 
@@ -47,7 +50,11 @@ def imports(name: str, path: pathlib.Path, known) -> set[str]:
       base = node.module or ""
       if node.level:
         base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + [base])
-      targets = [f"{base}.{a.name}" for a in node.names] + [base]
+      targets = [f"{base}.{a.name}" for a in node.names]
+      # `from package import submodule` depends on the submodule; a name defined in (or
+      # re-exported by) the package depends on the package itself.
+      if any(t not in known for t in targets):
+        targets.append(base)
     else:
       continue
     for target in targets:
@@ -120,3 +127,48 @@ def test_modules_and_functions_are_small():
         if length > MAX_FUNCTION_LINES:
           too_long.append(f"{name}.{node.name}: {length} lines")
   assert not too_long, "\n".join(too_long)
+
+
+def public_names(module: str) -> set[str]:
+  if module == "shardlab.parallel":
+    import shardlab.parallel
+    return set(shardlab.parallel.__all__)
+  if module == "shardlab":
+    import shardlab
+    return set(shardlab.__all__) | {"parallel", "errors", "config"}
+  return {"*"}
+
+
+def private_imports(path: pathlib.Path) -> list[str]:
+  """`import`s of `path` that reach past shardlab's public names (sibling models aside)."""
+  wrong = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      wrong += [a.name for a in node.names if a.name.startswith("shardlab")
+                and a.name not in PUBLIC and not a.name.startswith("shardlab.models")]
+    elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("shardlab"):
+      if node.module.startswith("shardlab.models"):
+        continue
+      if node.module not in PUBLIC:
+        wrong.append(node.module)
+        continue
+      allowed = public_names(node.module)
+      wrong += [f"{node.module}.{a.name}" for a in node.names
+                if "*" not in allowed and a.name not in allowed]
+  return wrong
+
+
+def test_bundled_models_import_only_public_names():
+  found = {name: path for name, path in modules().items()
+           if name.startswith("shardlab.models.")}
+  assert "shardlab.models.llama" in found
+  wrong = {name: private_imports(path) for name, path in found.items()}
+  wrong = {name: w for name, w in wrong.items() if w}
+  assert not wrong, wrong
+  # The check sees a private import when there is one.
+  probe = ROOT / "tests" / "data" / "_private_import_probe.py"
+  probe.write_text("from shardlab.parallel import flash\nfrom shardlab.sharding import rules\n")
+  try:
+    assert private_imports(probe) == ["shardlab.parallel.flash", "shardlab.sharding"]
+  finally:
+    probe.unlink()

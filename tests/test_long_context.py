@@ -13,7 +13,8 @@ import pytest
 
 import helpers as H
 from shardlab.errors import ConfigError
-from shardlab.models import context, registry
+from shardlab.models import registry
+from shardlab.parallel import context
 from shardlab.observe import hlo, hlo_groups
 from shardlab.sharding.activations import activation_rules
 
@@ -180,7 +181,8 @@ def test_tiled_kernel_matches_dense_attention(monkeypatch, mesh, exchange):
   """ring.py in tiles of 16 (queries and keys) on 128 zig-zag-ordered tokens of packed
   documents, GQA (4 heads, 2 kv heads): output and gradients equal decoder's dense masked
   softmax."""
-  from shardlab.models import decoder, ring
+  from shardlab.parallel import ring
+  from shardlab.parallel.softmax import softmax_attention
   monkeypatch.setattr(ring, "CHUNK", 16)
   rng = np.random.default_rng(0)
   b, l = 2, 128
@@ -190,7 +192,7 @@ def test_tiled_kernel_matches_dense_attention(monkeypatch, mesh, exchange):
   positions = context.document_positions(segments)
   order = context.zigzag_order(l, 4)
   q, do, k, v, positions, segments = (x[:, order] for x in (q, do, k, v, positions, segments))
-  impl = dict(impl="flash", exchange=exchange, dense=decoder._softmax_attention,
+  impl = dict(impl="flash", exchange=exchange, dense=softmax_attention,
               platform="cpu")
   r = H.run("dp", mesh or "data:1", model=tiny(max_seq_len=l), seq_len=l, global_batch=b)
 
@@ -199,7 +201,7 @@ def test_tiled_kernel_matches_dense_attention(monkeypatch, mesh, exchange):
       return context.attend(q, k, v, positions, segments, **impl)
 
   def dense(q, k, v):
-    out = decoder._softmax_attention(q.reshape(b, l, 2, 2, 16), k, v, ring_mask())
+    out = softmax_attention(q.reshape(b, l, 2, 2, 16), k, v, ring_mask())
     return out.reshape(b, l, 4, 16)
 
   ring_mask = lambda: ring.mask(positions, segments, positions, segments)

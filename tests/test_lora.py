@@ -17,7 +17,7 @@ import helpers as H
 from shardlab import cli, config
 from shardlab.cli import generate as generate_cli
 from shardlab.errors import ConfigError
-from shardlab.models import lora
+from shardlab.parallel import lora
 from shardlab.models.gpt2_config import GPT2Config
 from shardlab.sharding.activations import activation_rules
 from shardlab.training import data

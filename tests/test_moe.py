@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from shardlab import parallel
 from shardlab.errors import ConfigError
 from shardlab.models import experts, lm, registry
 from shardlab.models.llama import swiglu
@@ -33,7 +34,7 @@ def x_batch(shape=(2, 8, 32), seed: int = 1):
 def direct(module: experts.Experts, x_BxLxD):
   """Every expert on every token, weighted by the renormalised top-k router weights."""
   logits = jnp.einsum("bld,de->ble", x_BxLxD, module.router_DxE[...])
-  weights, chosen = experts.route(logits, module.k)
+  weights, chosen = parallel.route(logits, module.k)
   gate, up, down = module.gate_ExDxF[...], module.up_ExDxF[...], module.down_ExFxD[...]
   h = swiglu(jnp.einsum("bld,edf->blef", x_BxLxD, gate), jnp.einsum("bld,edf->blef", x_BxLxD, up))
   every_BxLxExD = jnp.einsum("blef,efd->bled", h, down)
@@ -57,7 +58,7 @@ def test_capacity_dispatch_drops_what_exceeds_capacity():
   module, x = layer(cfg), x_batch()
   y, stats = module(x)
   logits = jnp.einsum("bld,de->ble", x, module.router_DxE[...])
-  _, chosen = experts.route(logits, cfg.experts_per_token)
+  _, chosen = parallel.route(logits, cfg.experts_per_token)
   tokens = x.shape[0] * x.shape[1]
   capacity = cfg.capacity(tokens)
   # First choices of every token in order, then second choices: first come, first served.

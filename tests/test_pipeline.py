@@ -16,7 +16,7 @@ import pytest
 import helpers as H
 from shardlab import config
 from shardlab.errors import ConfigError
-from shardlab.models import pipeline
+from shardlab.parallel import pipeline
 from shardlab.observe import hlo, hlo_groups
 from shardlab.sharding.activations import activation_rules
 from shardlab.training import checkpoint, step as step_lib
@@ -26,10 +26,11 @@ STEPS = 3
 # After AdamW steps an element whose gradient is near zero carries its rounding difference
 # into a step of full size (tests/test_parity.py); with 16 layers there are 8× the elements
 # of its model (seen: 1 of 524288 elements of mlp down_FxD 3.6e-5 of the leaf's scale off
-# under stage 4 × tensor 2; 1 of 131072 of k_DxKxE 5.7e-5 under stage 2 × tensor 4). A
-# wrong update would be off by about lr (1e-2) per step, 100× more than this allows. Loss,
-# grad norm and gradients hold to 1e-5.
-FP32_ADAM = dict(rtol=1e-5, scaled_atol=1e-4)
+# under stage 4 × tensor 2; 1 of 131072 of k_DxKxE 5.7e-5 under stage 2 × tensor 4, and
+# 5.5e-5 absolute, 1.4e-4 of the leaf's 0.396 scale, on an AVX512-BF16 Xeon). A wrong update
+# would be off by about lr (1e-2) per step, 2.5e-2 of that scale: 80× more than this
+# allows. Loss, grad norm and gradients hold to 1e-5.
+FP32_ADAM = dict(rtol=1e-5, scaled_atol=3e-4)
 FP32 = dict(rtol=1e-5, scaled_atol=1e-5)
 # 16 layers: 8 stages × 2 repeats of one layer each; the micro model's widths otherwise.
 MODEL = dataclasses.replace(H.MICRO, n_layers=16)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import test_pipeline as TP
-from shardlab.models import pipeline, registry
+from shardlab.models import registry
+from shardlab.parallel import pipeline
 from shardlab.observe import hlo
 from shardlab.plan import pipeline as plan_pipeline
 from shardlab.plan import planner as plan

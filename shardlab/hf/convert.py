@@ -22,7 +22,8 @@ from shardlab.hf import weights as hf
 from shardlab.hf import config as hf_config
 from shardlab.hf import mixtral
 from shardlab.sharding import mesh as mesh_lib
-from shardlab.models import lora, registry
+from shardlab.models import registry
+from shardlab.parallel import lora
 from shardlab.models.llama_config import LlamaConfig
 from shardlab.training import run as run_lib
 from shardlab.training import state as state_lib

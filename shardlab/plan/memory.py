@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 
 from shardlab.config import TrainConfig
-from shardlab.models import attention
+from shardlab.parallel import flash as attention
 from shardlab.sharding import rules as rules_lib
 
 GB = 1e9
-FLASH_BLOCK = 512  # the query/key block of models/attention.py and models/ring.py
+FLASH_BLOCK = 512  # the query/key block of parallel/flash.py and parallel/ring.py
 # Flash attention's custom-VJP residuals beyond the layer's own (its head-major copies of q
 # and the output, of k and v), and the fp32 block tiles its backward holds at once.
 FLASH_SAVED_Q, FLASH_SAVED_KV, FLASH_TILES, RING_TILES = 2, 2, 5, 10
@@ -243,7 +243,7 @@ def activation_memory(m, t: TrainConfig, p: int, table: dict, mesh,
   On top of what every layer keeps: the largest of the loss stage's forward, its backward and
   one layer's backward. The loss's backward holds the output head's fp32 weight gradient,
   whole over the batch axes; with `train.early_grad_reduce` it is reduced to its shard
-  before the layers' backward starts (sharding/early_grads.py), else XLA holds it through the
+  before the layers' backward starts (parallel/early_grads.py), else XLA holds it through the
   layers' backward too (it reduces it with the others, at the end; the embedding lookup's
   gradient comes last, once the layers' buffers are free). Either way it takes the place of
   the largest gathered buffer (`head_gathered` bytes, counted with the gathered weights:

@@ -31,7 +31,7 @@ import math
 
 import jax
 
-from shardlab.models import pipeline
+from shardlab.parallel import pipeline
 from shardlab.plan import memory as plan_memory
 from shardlab.plan.comm import Transfer
 from shardlab.sharding import rules as rules_lib

@@ -1,7 +1,7 @@
 """What a run's pipeline does, in words: the schedule, its bubble, which layers each stage
 holds (the run header and `inspect` print these)."""
 
-from shardlab.models import pipeline
+from shardlab.parallel import pipeline
 from shardlab.sharding import rules as rules_lib
 
 

@@ -146,8 +146,8 @@ def make_train_step(loss_fn: LossFn, abstract: Abstract, shardings: Shardings, *
   schedule, lr. `grad_dtype`: "auto", "fp32" or "bf16" (see precision.gradient_dtype).
   `nonfinite`: "stop" applies every update (the caller stops on `finite`); "skip" keeps the
   params and optimizer state of a non-finite step as they were and reports skipped = 1.
-  `early_grads`: reduce weight gradients where the model asks (sharding.early_grads).
-  `scan_unroll`: layers per iteration of the model's layer scan (sharding.activations)."""
+  `early_grads`: reduce weight gradients where the model asks (shardlab.parallel.reduce_grads_early).
+  `scan_unroll`: layers per iteration of the model's layer scan (shardlab.parallel.scan)."""
   _check_options(nonfinite, shardings)
   dtype = precision.gradient_dtype(abstract.policy, grad_dtype)
   loss = working_loss(loss_fn, abstract)

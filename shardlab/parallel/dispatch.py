@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from shardlab.models.llama import swiglu
+from shardlab.parallel.mlp import swiglu
 from shardlab.sharding import activations
 
 MODES = ("dropless", "capacity")
@@ -105,7 +105,7 @@ def _capacity(x_TxD, e_A, token_A, mlp, factor, k, axis, n):
 
 
 def _einsum(spec: str, a, b):
-  # Not models/dot.einsum: inside shard_map a custom VJP's weight gradient would vary over
+  # Not parallel/dot.einsum: inside shard_map a custom VJP's weight gradient would vary over
   # the token axes where the weight does not; autodiff's transpose sums it over them.
   return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(a.dtype)
 

@@ -2,7 +2,7 @@
 flowing through the stages (GPipe; circular when `repeats` > 1).
 
 The parameters keep their stored shape (N layers first, logical name `layers`); the rules
-place `layers` on `stage`, and the model's layer scan (decoder.scan_blocks) runs this schedule
+place `layers` on `stage`, and the layer scan (parallel/scan.py) runs this schedule
 instead when that axis has more than one device. Nothing about the pipeline is stored, so a
 checkpoint restores onto any stage count.
 

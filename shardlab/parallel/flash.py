@@ -7,7 +7,7 @@ platform behind `model.attention`:
   gpu                     cuDNN's fused attention (jax.nn.dot_product_attention)
   tpu                     the Pallas splash-attention kernel, under shard_map
 
-Same contract as decoder.attend: query head i uses kv head i // G, scores scaled by
+Same contract as parallel/attention.py: query head i uses kv head i // G, scores scaled by
 E^-0.5 and softmax statistics in fp32, output in q's dtype.
 
 Shape suffixes: B batch, L length, H heads, K kv heads, G heads per kv head, E head_dim,
@@ -19,13 +19,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from shardlab.parallel.names import KEYS_VALUES, QUERIES
 from shardlab.sharding import activations
 
 IMPLEMENTATIONS = ("xla", "flash", "auto")
-# decoder.ACTIVATIONS["queries"] and ["keys_values"]; repeated so that decoder can import
-# this module without a cycle.
-QUERIES = ("batch", "length", "heads", "head_dim")
-KEYS_VALUES = ("batch", "length", "kv_heads", "head_dim")
 F32 = jnp.float32
 
 
@@ -40,7 +37,7 @@ def resolve(impl: str, platform: str) -> str:
 
 def causal(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, platform: str | None = None, block: int = 512):
   """Memory-efficient causal GQA attention for `platform` (default: jax.default_backend()),
-  numerics as decoder.attend's: output in q's dtype, softmax statistics in fp32. `block` is
+  numerics as attention.attend's: output in q's dtype, softmax statistics in fp32. `block` is
   the query/key block length (capped at L)."""
   h, kv = q_BxLxHxE.shape[2], k_BxLxKxE.shape[2]
   if h % kv or k_BxLxKxE.shape != v_BxLxKxE.shape or q_BxLxHxE.shape[:2] != k_BxLxKxE.shape[:2]:

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardlab.models import dot
-from shardlab.models.decoder import stacked_param
+from shardlab.parallel import dot
+from shardlab.sharding.params import stacked_param
 
 RANK_AXIS = "lora_rank"
 PREFIX = "lora_"  # the attribute prefix the core's frozen mask looks for

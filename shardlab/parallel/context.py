@@ -5,7 +5,7 @@ holds L/n positions of every sequence for the whole model. Attention then exchan
 values one of two ways (`model.kv_exchange`):
   all-gather  each device gathers the whole K/V (and positions, segments) and attends its
               queries to it; backward reduce-scatters dK/dV (MaxText's approach);
-  ring        models/ring.py: K/V blocks travel around the ring by ppermute, one step per
+  ring        parallel/ring.py: K/V blocks travel around the ring by ppermute, one step per
               device, overlapping each block's transfer with the previous block's compute.
 The sequence is laid out zig-zag (device i holds chunks i and 2n-1-i of 2n) so that causal
 work is the same on every device; the model permutes its inputs into that order and its
@@ -23,7 +23,8 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from shardlab.errors import ConfigError, unknown
-from shardlab.models import attention, ring
+from shardlab.parallel import flash, ring
+from shardlab.parallel.names import KEYS_VALUES, QUERIES
 from shardlab.sharding import activations
 
 KV_EXCHANGES = ("all-gather", "ring")
@@ -48,6 +49,11 @@ def split(names: tuple, shape: tuple):
     return None
   axes = (axis,) if isinstance(axis, str) else axis
   return mesh, spec, axis, math.prod(mesh.shape[a] for a in axes)
+
+
+def is_context_parallel(x_BxLxD_shape: tuple) -> bool:
+  """Whether the step's rules split a B×L×D residual stream's length over a mesh axis."""
+  return split(RESIDUAL, x_BxLxD_shape) is not None
 
 
 def zigzag_order(length: int, n: int) -> np.ndarray:
@@ -103,18 +109,19 @@ def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, positions_BxL, segments_BxL, *, impl
            exchange: str, dense, platform: str):
   """Masked GQA attention (query i sees key j of the same segment at a position <= its
   own), split over the context axis when the rules say so. `dense(q_BxQxKxGxE, k_BxMxKxE,
-  v_BxMxKxE, mask)` is the xla path's softmax (decoder's); flash and ring run ring.py."""
-  flash = attention.resolve(impl, platform) == "flash"
-  where = split(attention.QUERIES, q_BxLxHxE.shape)
+  v_BxMxKxE, mask)` is the xla path's softmax (parallel/softmax.py); flash and ring run
+  ring.py."""
+  blockwise = flash.resolve(impl, platform) == "flash"
+  where = split(QUERIES, q_BxLxHxE.shape)
   if where is None:
     return _local(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, positions_BxL, segments_BxL,
-                  axis=None, n=1, exchange=exchange, flash=flash, dense=dense)
+                  axis=None, n=1, exchange=exchange, flash=blockwise, dense=dense)
   mesh, q_spec, axis, n = where
-  kv_spec = activations.current(attention.KEYS_VALUES, k_BxLxKxE.shape)[1]
+  kv_spec = activations.current(KEYS_VALUES, k_BxLxKxE.shape)[1]
   meta_spec = PartitionSpec(*q_spec[:2])
 
   def local(q, k, v, pos, seg):
-    return _local(q, k, v, pos, seg, axis=axis, n=n, exchange=exchange, flash=flash,
+    return _local(q, k, v, pos, seg, axis=axis, n=n, exchange=exchange, flash=blockwise,
                   dense=dense)
 
   return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, meta_spec,

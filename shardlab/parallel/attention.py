@@ -1,0 +1,109 @@
+"""Attention for any module: `attention(q, k, v)` picks the platform's path and, when the
+step's rules split the sequence over a mesh axis, context parallelism.
+
+Paths (`impl`, a model's `model.attention`): "xla" (dense softmax, fp32 scores), "flash"
+(blockwise FlashAttention-2 in pure JAX on CPU, cuDNN's fused kernel on GPU, Pallas splash
+attention on TPU: parallel/flash.py), "auto" (flash on TPU and GPU, xla on CPU). Packed
+documents (`segment_ids`, `positions`) and context parallelism (all-gather or ring K/V
+exchange: parallel/context.py) share one masked path.
+Shape suffixes: B batch, L length, M attended length, H heads, K kv heads, G heads per kv
+head, E head_dim, S cache length.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from shardlab.parallel import context, flash
+from shardlab.parallel.names import ACTIVATIONS
+from shardlab.parallel.softmax import softmax_attention
+from shardlab.sharding.activations import constrain, platform
+
+
+def attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, *, segment_ids=None, positions=None,
+              causal: bool = True, impl: str = "auto", kv_exchange: str = "all-gather"):
+  """Grouped-query attention B×L×H×E (query head i uses kv head i // G, as Hugging Face's
+  repeat_kv lays them out; scores scaled by E^-0.5, softmax statistics in fp32, output in
+  q's dtype). Inputs and output are constrained to the activation names `queries` and
+  `keys_values` (parallel/names.py).
+
+  `segment_ids` (B×L; packed documents) keeps each token's attention inside its document;
+  `positions` (B×L) are the tokens' positions for the causal mask (restarting per document;
+  derived from the segment ids when absent). Under context parallelism (the rules split
+  `length` over a mesh axis) the inputs must be in the zig-zag layout that `context.zigzag`
+  gives; `kv_exchange` is "all-gather" or "ring". `causal=False` (an encoder) runs the
+  dense path on whole sequences only."""
+  if not causal:
+    return _bidirectional(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, segment_ids, impl)
+  doc = None
+  if segment_ids is not None or positions is not None:
+    b, l = q_BxLxHxE.shape[:2]
+    if segment_ids is None:
+      segment_ids = jnp.ones((b, l), jnp.int32)
+    if positions is None:
+      positions = context.document_positions(segment_ids)
+    doc = (positions, segment_ids)
+  l = q_BxLxHxE.shape[1]
+  mask = None if doc else jnp.tril(jnp.ones((l, l), bool))
+  return attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask, impl=impl, doc=doc,
+                exchange=kv_exchange)[0]
+
+
+def _bidirectional(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, segment_ids, impl: str):
+  flash.resolve(impl, platform())  # an unknown name is still an error
+  q = constrain(q_BxLxHxE, ACTIVATIONS["queries"])
+  if context.split(ACTIVATIONS["queries"], q.shape):
+    raise ValueError("attention(causal=False) has no context-parallel path: the rules split "
+                     "`length` over a mesh axis; map `length` to no mesh axis for this model")
+  k = constrain(k_BxLxKxE, ACTIVATIONS["keys_values"])
+  v = constrain(v_BxLxKxE, ACTIVATIONS["keys_values"])
+  mask = jnp.ones((1, 1), bool)
+  if segment_ids is not None:  # B×1×1×L×M: the softmax's B×K×G×L×M scores
+    mask = (segment_ids[:, None, :] == segment_ids[:, :, None])[:, None, None]
+  return _dense(q, k, v, mask)
+
+
+def _dense(q_BxLxHxE, k_BxMxKxE, v_BxMxKxE, mask):
+  """Softmax attention of constrained inputs under `mask`."""
+  b, l, h, e = q_BxLxHxE.shape
+  kv = k_BxMxKxE.shape[2]
+  dt = q_BxLxHxE.dtype
+  q_BxLxKxGxE = q_BxLxHxE.reshape(b, l, kv, h // kv, e)
+  out = softmax_attention(q_BxLxKxGxE, k_BxMxKxE.astype(dt), v_BxMxKxE.astype(dt), mask)
+  return constrain(out.reshape(b, l, h, e), ACTIVATIONS["queries"])
+
+
+def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask_LxM, cache_kv=None, index=None,
+           impl: str = "xla", doc=None, exchange: str = "all-gather"):
+  """`attention` for a decoder with an optional KV cache: (output, updated cache). With
+  `cache_kv` (this layer's B×S×K×E key and value buffers) the new keys and values are
+  written at `index`, the queries attend over the buffers under `mask_LxM` (L×S), and the
+  updated buffers come back too. Without a cache, `impl` may pick the platform's flash
+  kernel; `doc` (positions, segment ids; B×L each) masks by document and is what context
+  parallelism needs."""
+  q = constrain(q_BxLxHxE, ACTIVATIONS["queries"])
+  k = constrain(k_BxLxKxE, ACTIVATIONS["keys_values"])
+  v = constrain(v_BxLxKxE, ACTIVATIONS["keys_values"])
+  if cache_kv is None and (doc is not None or context.split(flash.QUERIES, q.shape)):
+    if doc is None:
+      raise ValueError("the rules split `length` (context parallelism) but this model passes "
+                       "no positions to attention; it supports neither context parallelism "
+                       "nor packed documents")
+    out = context.attend(q, k, v, *doc, impl=impl, exchange=exchange,
+                         dense=softmax_attention, platform=platform())
+    return constrain(out, ACTIVATIONS["queries"]), None
+  if cache_kv is not None:
+    k, v = (constrain(jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), index,
+                                                          axis=1), ACTIVATIONS["kv_cache"][1:])
+            for buf, new in zip(cache_kv, (k, v)))
+    cache_kv = (k, v)
+  elif flash.resolve(impl, where := platform()) == "flash":
+    return constrain(flash.causal(q, k, v, where), ACTIVATIONS["queries"]), None
+  return _dense(q, k, v, mask_LxM), cache_kv
+
+
+def causal_mask(length: int, cache_length: int | None = None, start=0):
+  """L×M: query i (at start + i) sees positions up to its own (M = L without a cache; all
+  cached positions up to its own when M = `cache_length`)."""
+  if cache_length is None:
+    return jnp.tril(jnp.ones((length, length), bool))
+  return jnp.arange(cache_length)[None, :] <= start + jnp.arange(length)[:, None]

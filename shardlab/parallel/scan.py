@@ -1,0 +1,92 @@
+"""The layer scan: a stack of identical layers applied in order with lax.scan, so compile
+time does not grow with depth, under a named remat policy — or, when the step's rules split
+`layers` over a mesh axis (`stage`), as a pipeline (parallel/pipeline.py).
+
+A stack is any NNX module whose params lead with the layer dim (built with
+`stacked_param(..., stack=(n,))`, or `nnx.vmap` with `transform_metadata=
+{nnx.PARTITION_NAME: "layers"}`). The step's `train.scan_unroll` sets the scan's unroll.
+"""
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from flax import nnx
+
+from shardlab.errors import ConfigError, unknown
+from shardlab.parallel import pipeline
+from shardlab.sharding.activations import pipeline_schedule, scan_unroll
+
+LAYER_INPUT = "layer_input"  # the checkpoint_name of a layer's input (remat "offload")
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # Keep weight-matmul outputs, recompute the rest (norms, activations, attention).
+    "save-matmul-outputs": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # Recompute like "full", but keep each layer's input in host memory instead of on the
+    # device: the layers × B×L×D stack that full remat holds is what dominates at large
+    # batches (MaxText's offloaded decoder_layer_input).
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT],
+        offload_src="device", offload_dst="pinned_host"),
+}
+
+# call(layer, x, args, slice) -> (x, new slice, stats or None)
+Call = Callable[[nnx.Module, jax.Array, tuple, object], tuple]
+
+
+def scan_layers(layers: nnx.Module, x, *args, remat: str = "none"):
+  """`layer(x, *args) -> x` for each layer of the stack in order; `args` are the same for
+  every layer (inputs leading with the batch are split into a pipeline's microbatches)."""
+  return scan(layers, x, args, lambda layer, h, a, _: (layer(h, *a), None, None), remat)[0]
+
+
+def scan(layers: nnx.Module, x, args: tuple, call: Call, remat: str = "none",
+         per_layer=None, stats: dict | None = None):
+  """(x, the stacked new per-layer slices, `stats` summed over the layers). `call` applies
+  one layer: given the layer, x, `args` and its slice of `per_layer` (a tree whose leaves
+  lead with the layer dim, e.g. a KV cache; None without one), it returns x, the new slice
+  and a dict of scalars to add to `stats` (None when `stats` is None)."""
+  if remat not in REMAT_POLICIES:
+    raise unknown("train.remat", remat, REMAT_POLICIES)
+  graphdef, stacked = nnx.split(layers)
+  where = pipeline.stages(jax.tree.leaves(stacked)[0].shape[0])
+  if per_layer is None and where is not None:  # the rules split `layers` over `stage`
+    return _pipelined(graphdef, stacked, x, args, call, remat, where, stats), None, stats
+
+  def body(carry, inputs):
+    h, totals = carry
+    layer_state, layer_slice = inputs
+    # Every use reads the named copy, so under remat "offload" the input itself is no
+    # residual: only its host copy is.
+    h = checkpoint_name(h, LAYER_INPUT)
+    h, new_slice, layer_stats = call(nnx.merge(graphdef, layer_state), h, args, layer_slice)
+    if totals is not None:
+      totals = {k: totals[k] + layer_stats[k] for k in totals}
+    return (h, totals), new_slice
+
+  if remat != "none":
+    body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+  zeros = None if stats is None else {k: jnp.asarray(v, jnp.float32) for k, v in stats.items()}
+  (x, totals), out = jax.lax.scan(body, (x, zeros), (stacked, per_layer),
+                                  unroll=scan_unroll())
+  return x, out, totals
+
+
+def _pipelined(graphdef, stacked, x, args, call: Call, remat: str, where, stats):
+  if stats is not None:
+    raise ConfigError("this model's layers return statistics (e.g. MoE router losses), which "
+                      "a pipeline does not carry: map `layers` to no mesh axis (no `stage` "
+                      "axis above 1) for it")
+  if remat == "offload":  # XLA:CPU aborts compiling host transfers in the pipeline loop
+    raise ConfigError("train.remat=offload does not run in a pipeline (layers split over "
+                      "`stage`); use train.remat=full there")
+
+  def stage_layer(h, layer_state, layer_args):
+    return call(nnx.merge(graphdef, layer_state), h, layer_args, None)[0]
+
+  if remat != "none":
+    stage_layer = jax.checkpoint(stage_layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
+  return pipeline.run(stage_layer, stacked, x, args, where, *pipeline_schedule())
