@@ -6,6 +6,16 @@ Paths (`impl`, a model's `model.attention`): "xla" (dense softmax, fp32 scores),
 attention on TPU: parallel/flash.py), "auto" (flash on TPU and GPU, xla on CPU). Packed
 documents (`segment_ids`, `positions`) and context parallelism (all-gather or ring K/V
 exchange: parallel/context.py) share one masked path.
+
+Sliding windows (`window`) follow Hugging Face's Mistral / Gemma 2 convention
+(transformers' masking_utils.sliding_window_overlay: kv_idx > q_idx - sliding_window, on
+top of the causal kv_idx <= q_idx): query i sees key j iff i - window < j <= i, so at most
+`window` keys, its own included. The same convention as cuDNN's sliding_window_length and
+splash's LocalMask((window - 1, 0)), and what HF checkpoints were trained with, so a
+converted model sees what it saw in training. Soft-capping (`softcap`) is Gemma 2's
+(HF's Gemma2 eager attention): scores scaled first, then softcap·tanh(scores / softcap),
+then masked and softmaxed.
+
 Shape suffixes: B batch, L length, M attended length, H heads, K kv heads, G heads per kv
 head, E head_dim, S cache length.
 """
@@ -20,7 +30,8 @@ from shardlab.sharding.activations import constrain, platform
 
 
 def attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, *, segment_ids=None, positions=None,
-              causal: bool = True, impl: str = "auto", kv_exchange: str = "all-gather"):
+              causal: bool = True, impl: str = "auto", kv_exchange: str = "all-gather",
+              window: int | None = None, softcap: float | None = None):
   """Grouped-query attention B×L×H×E (query head i uses kv head i // G, as Hugging Face's
   repeat_kv lays them out; scores scaled by E^-0.5, softmax statistics in fp32, output in
   q's dtype). Inputs and output are constrained to the activation names `queries` and
@@ -31,9 +42,19 @@ def attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, *, segment_ids=None, positions=No
   derived from the segment ids when absent). Under context parallelism (the rules split
   `length` over a mesh axis) the inputs must be in the zig-zag layout that `context.zigzag`
   gives; `kv_exchange` is "all-gather" or "ring". `causal=False` (an encoder) runs the
-  dense path on whole sequences only."""
+  dense path on whole sequences only.
+
+  `window`: a query sees at most this many keys, its own included (query i, key j:
+  i - window < j <= i), on the positions, so per document. `softcap`: scores become
+  softcap·tanh(scores / softcap) after the E^-0.5 scaling (Gemma 2). Every path supports
+  both, except that cuDNN (flash on gpu in 16 bits) refuses `softcap` and `causal=False`
+  refuses `window`."""
+  flash.check_options(window, softcap)
   if not causal:
-    return _bidirectional(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, segment_ids, impl)
+    if window is not None:
+      raise ValueError(f"attention window = {window!r} needs causal=True: the window is "
+                       f"causal (i - window < j <= i); causal=False takes window=None")
+    return _bidirectional(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, segment_ids, impl, softcap)
   doc = None
   if segment_ids is not None or positions is not None:
     b, l = q_BxLxHxE.shape[:2]
@@ -45,10 +66,10 @@ def attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, *, segment_ids=None, positions=No
   l = q_BxLxHxE.shape[1]
   mask = None if doc else jnp.tril(jnp.ones((l, l), bool))
   return attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask, impl=impl, doc=doc,
-                exchange=kv_exchange)[0]
+                exchange=kv_exchange, window=window, softcap=softcap)[0]
 
 
-def _bidirectional(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, segment_ids, impl: str):
+def _bidirectional(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, segment_ids, impl: str, softcap):
   flash.resolve(impl, platform())  # an unknown name is still an error
   q = constrain(q_BxLxHxE, ACTIVATIONS["queries"])
   if context.split(ACTIVATIONS["queries"], q.shape):
@@ -59,27 +80,31 @@ def _bidirectional(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, segment_ids, impl: str):
   mask = jnp.ones((1, 1), bool)
   if segment_ids is not None:  # B×1×1×L×M: the softmax's B×K×G×L×M scores
     mask = (segment_ids[:, None, :] == segment_ids[:, :, None])[:, None, None]
-  return _dense(q, k, v, mask)
+  return _dense(q, k, v, mask, softcap)
 
 
-def _dense(q_BxLxHxE, k_BxMxKxE, v_BxMxKxE, mask):
-  """Softmax attention of constrained inputs under `mask`."""
+def _dense(q_BxLxHxE, k_BxMxKxE, v_BxMxKxE, mask, softcap=None):
+  """Softmax attention of constrained inputs under `mask`, scores capped by `softcap`."""
   b, l, h, e = q_BxLxHxE.shape
   kv = k_BxMxKxE.shape[2]
   dt = q_BxLxHxE.dtype
   q_BxLxKxGxE = q_BxLxHxE.reshape(b, l, kv, h // kv, e)
-  out = softmax_attention(q_BxLxKxGxE, k_BxMxKxE.astype(dt), v_BxMxKxE.astype(dt), mask)
+  out = softmax_attention(q_BxLxKxGxE, k_BxMxKxE.astype(dt), v_BxMxKxE.astype(dt), mask,
+                          softcap)
   return constrain(out.reshape(b, l, h, e), ACTIVATIONS["queries"])
 
 
 def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask_LxM, cache_kv=None, index=None,
-           impl: str = "xla", doc=None, exchange: str = "all-gather"):
+           impl: str = "xla", doc=None, exchange: str = "all-gather", *,
+           window: int | None = None, softcap: float | None = None):
   """`attention` for a decoder with an optional KV cache: (output, updated cache). With
   `cache_kv` (this layer's B×S×K×E key and value buffers) the new keys and values are
   written at `index`, the queries attend over the buffers under `mask_LxM` (L×S), and the
   updated buffers come back too. Without a cache, `impl` may pick the platform's flash
   kernel; `doc` (positions, segment ids; B×L each) masks by document and is what context
-  parallelism needs."""
+  parallelism needs. `window` narrows `mask_LxM` (query i at position index + i with a
+  cache, i without; key j at position j) or the document mask; `softcap` as `attention`'s."""
+  flash.check_options(window, softcap)
   q = constrain(q_BxLxHxE, ACTIVATIONS["queries"])
   k = constrain(k_BxLxKxE, ACTIVATIONS["keys_values"])
   v = constrain(v_BxLxKxE, ACTIVATIONS["keys_values"])
@@ -89,7 +114,8 @@ def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask_LxM, cache_kv=None, index=None,
                        "no positions to attention; it supports neither context parallelism "
                        "nor packed documents")
     out = context.attend(q, k, v, *doc, impl=impl, exchange=exchange,
-                         dense=softmax_attention, platform=platform())
+                         dense=softmax_attention, platform=platform(), window=window,
+                         softcap=softcap)
     return constrain(out, ACTIVATIONS["queries"]), None
   if cache_kv is not None:
     k, v = (constrain(jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), index,
@@ -97,8 +123,12 @@ def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask_LxM, cache_kv=None, index=None,
             for buf, new in zip(cache_kv, (k, v)))
     cache_kv = (k, v)
   elif flash.resolve(impl, where := platform()) == "flash":
-    return constrain(flash.causal(q, k, v, where), ACTIVATIONS["queries"]), None
-  return _dense(q, k, v, mask_LxM), cache_kv
+    out = flash.causal(q, k, v, where, window=window, softcap=softcap)
+    return constrain(out, ACTIVATIONS["queries"]), None
+  if window is not None:
+    start = 0 if cache_kv is None else index
+    mask_LxM = mask_LxM & window_mask(q.shape[1], k.shape[1], window, start)
+  return _dense(q, k, v, mask_LxM, softcap), cache_kv
 
 
 def causal_mask(length: int, cache_length: int | None = None, start=0):
@@ -107,3 +137,9 @@ def causal_mask(length: int, cache_length: int | None = None, start=0):
   if cache_length is None:
     return jnp.tril(jnp.ones((length, length), bool))
   return jnp.arange(cache_length)[None, :] <= start + jnp.arange(length)[:, None]
+
+
+def window_mask(length: int, keys: int, window: int, start=0):
+  """L×M: query i (at start + i) sees key j (at j) iff start + i - window < j; and it with a
+  causal mask for the sliding window."""
+  return jnp.arange(keys)[None, :] > start + jnp.arange(length)[:, None] - window

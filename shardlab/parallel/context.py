@@ -10,7 +10,8 @@ values one of two ways (`model.kv_exchange`):
 The sequence is laid out zig-zag (device i holds chunks i and 2n-1-i of 2n) so that causal
 work is the same on every device; the model permutes its inputs into that order and its
 output back (`zigzag`). Masks come from per-token positions and segment ids, so documents
-packed into one row never see each other.
+packed into one row never see each other, and a sliding window (on those positions) stays
+inside its document.
 Shape suffixes: B batch, L length, Q local length, H heads, K kv heads, G heads per kv head,
 E head_dim, D d_model.
 """
@@ -106,23 +107,26 @@ def document_positions(segments_BxL):
 
 
 def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, positions_BxL, segments_BxL, *, impl: str,
-           exchange: str, dense, platform: str):
+           exchange: str, dense, platform: str, window: int | None = None,
+           softcap: float | None = None):
   """Masked GQA attention (query i sees key j of the same segment at a position <= its
-  own), split over the context axis when the rules say so. `dense(q_BxQxKxGxE, k_BxMxKxE,
-  v_BxMxKxE, mask)` is the xla path's softmax (parallel/softmax.py); flash and ring run
+  own, and > its own - `window` when a window is given), split over the context axis when
+  the rules say so. `dense(q_BxQxKxGxE, k_BxMxKxE, v_BxMxKxE, mask)` is the xla path's
+  softmax (parallel/softmax.py; given `softcap=` too when one is set); flash and ring run
   ring.py."""
   blockwise = flash.resolve(impl, platform) == "flash"
+  flash.check_options(window, softcap)
+  opts = dict(exchange=exchange, flash=blockwise, dense=dense, window=window, softcap=softcap)
   where = split(QUERIES, q_BxLxHxE.shape)
   if where is None:
     return _local(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, positions_BxL, segments_BxL,
-                  axis=None, n=1, exchange=exchange, flash=blockwise, dense=dense)
+                  axis=None, n=1, **opts)
   mesh, q_spec, axis, n = where
   kv_spec = activations.current(KEYS_VALUES, k_BxLxKxE.shape)[1]
   meta_spec = PartitionSpec(*q_spec[:2])
 
   def local(q, k, v, pos, seg):
-    return _local(q, k, v, pos, seg, axis=axis, n=n, exchange=exchange, flash=blockwise,
-                  dense=dense)
+    return _local(q, k, v, pos, seg, axis=axis, n=n, **opts)
 
   return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, meta_spec,
                                                    meta_spec), out_specs=q_spec)(
@@ -130,7 +134,7 @@ def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, positions_BxL, segments_BxL, *, impl
 
 
 def _local(q_BxQxHxE, k_BxQxKxE, v_BxQxKxE, pos_BxQ, seg_BxQ, *, axis, n: int,
-           exchange: str, flash: bool, dense):
+           exchange: str, flash: bool, dense, window, softcap):
   b, l, h, e = q_BxQxHxE.shape
   kv = k_BxQxKxE.shape[2]
   dt = q_BxQxHxE.dtype
@@ -141,10 +145,13 @@ def _local(q_BxQxHxE, k_BxQxKxE, v_BxQxKxE, pos_BxQ, seg_BxQ, *, axis, n: int,
     k, v, k_pos, k_seg = (jax.lax.all_gather(x, axis, axis=1, tiled=True)
                           for x in (k, v, k_pos, k_seg))
   if not (flash or (n > 1 and exchange == "ring")):
-    out = dense(q_BxQxKxGxE, k, v, ring.mask(pos_BxQ, seg_BxQ, k_pos, k_seg))
+    mask = ring.mask(pos_BxQ, seg_BxQ, k_pos, k_seg, window)
+    # Given only when set, so a `dense` that knows no softcap still serves the rest.
+    capped = {} if softcap is None else {"softcap": softcap}
+    out = dense(q_BxQxKxGxE, k, v, mask, **capped)
     return out.reshape(b, l, h, e)
   ring_n = n if exchange == "ring" else 1
   q = q_BxQxKxGxE.transpose(0, 2, 3, 1, 4)
   blocks = (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), k_pos, k_seg)
-  out = ring.attention(axis, ring_n, q, blocks, (pos_BxQ, seg_BxQ))
+  out = ring.attention(axis, ring_n, q, blocks, (pos_BxQ, seg_BxQ), window, softcap)
   return out.transpose(0, 3, 1, 2, 4).reshape(b, l, h, e)
