@@ -172,3 +172,10 @@ def test_bundled_models_import_only_public_names():
     assert private_imports(probe) == ["shardlab.parallel.flash", "shardlab.sharding"]
   finally:
     probe.unlink()
+
+
+def test_private_jax_imports_live_in_one_module():
+  """Only shardlab/runtime/jax_compat.py reaches into jax._src (what a JAX upgrade checks)."""
+  wrong = [name for name, path in modules().items()
+           if "jax._src" in path.read_text() and name != "shardlab.runtime.jax_compat"]
+  assert not wrong, wrong

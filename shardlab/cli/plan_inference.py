@@ -12,7 +12,7 @@ from shardlab.plan import aot
 from shardlab.plan import inference as inf
 from shardlab.plan import inference_compile as inf_compile
 from shardlab.plan import inference_plan
-from shardlab.runtime import devices, hardware
+from shardlab.runtime import devices, hardware, jax_compat
 from shardlab.sharding import mesh as mesh_lib
 from shardlab.training import run as run_lib
 
@@ -94,8 +94,7 @@ def compile_decode(result: inference_plan.Plan, on: str = "auto") -> dict:
 
 def _cpu_devices(n: int):
   import jax
-  from jax._src import xla_bridge
-  if not xla_bridge.backends_are_initialized():
+  if not jax_compat.backends_are_initialized():
     devices.simulate(n)
   cpus = jax.devices("cpu")
   if len(cpus) < n:

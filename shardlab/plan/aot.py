@@ -26,6 +26,7 @@ from shardlab.config import Config
 from shardlab.errors import ConfigError
 from shardlab.models import registry
 from shardlab.observe import hlo, hlo_flops
+from shardlab.runtime import jax_compat
 from shardlab.sharding import mesh as mesh_lib
 from shardlab.sharding import rules as rules_lib
 from shardlab.training import run as run_lib
@@ -149,9 +150,7 @@ def compile_train_step(train_step, abstract: state_lib.Abstract,
 def compile_on_cpu(cfg: Config, n_devices: int) -> CompiledReport:
   """On n simulated CPU devices: here if this process has at least n, else in a subprocess
   (the device count is fixed once a backend starts)."""
-  from jax._src import xla_bridge
-
-  if xla_bridge.backends_are_initialized() or "device_count" in os.environ.get("XLA_FLAGS", ""):
+  if jax_compat.backends_are_initialized() or "device_count" in os.environ.get("XLA_FLAGS", ""):
     cpus = jax.devices("cpu")
     if len(cpus) >= n_devices:
       return compile_step(cfg, cpus[:n_devices], f"cpu x{n_devices}")
@@ -184,15 +183,14 @@ def _compile_only(platform: str):
   if platform == "cpu":
     yield
     return
-  from jax._src import compilation_cache
   cached = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
-  compilation_cache.reset_cache()
+  jax_compat.reset_compilation_cache()
   try:
     yield
   finally:
     jax.config.update("jax_enable_compilation_cache", cached)
-    compilation_cache.reset_cache()
+    jax_compat.reset_compilation_cache()
 
 
 def _strip_device_count(flags: str) -> str:

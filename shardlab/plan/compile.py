@@ -10,7 +10,7 @@ import dataclasses
 
 from shardlab.plan import aot
 from shardlab import config as config_lib
-from shardlab.runtime import devices
+from shardlab.runtime import devices, jax_compat
 from shardlab.runtime import hardware
 from shardlab.sharding import mesh as mesh_lib
 from shardlab.plan import planner as plan_lib
@@ -40,16 +40,14 @@ def _spec(req: plan_lib.Request) -> mesh_lib.MeshSpec:
 def prepare_cpu_devices(req: plan_lib.Request) -> None:
   """Simulates the mesh's device count on CPU, if no backend has started yet (else the
   compile runs in a subprocess that has them)."""
-  from jax._src import xla_bridge
-  if not xla_bridge.backends_are_initialized():
+  if not jax_compat.backends_are_initialized():
     devices.simulate(_spec(req).n_devices)
 
 
 def cpu_only() -> None:
   """Keeps JAX on the CPU backend (no probing for a TPU when libtpu is installed)."""
   import jax
-  from jax._src import xla_bridge
-  if not xla_bridge.backends_are_initialized():
+  if not jax_compat.backends_are_initialized():
     jax.config.update("jax_platforms", "cpu")
 
 

@@ -4,9 +4,9 @@ import glob
 import os
 
 import jax
-from jax._src import xla_bridge
 
 from shardlab.errors import ConfigError
+from shardlab.runtime import jax_compat
 
 
 ONE_THREAD_PER_DEVICE = "--xla_cpu_multi_thread_eigen=false"
@@ -17,7 +17,7 @@ def simulate(n: int) -> None:
   """Makes the CPU backend expose `n` devices. Call before any JAX computation."""
   if n < 1:
     raise ConfigError(f"--simulate-devices must be >= 1, got {n}")
-  if xla_bridge.backends_are_initialized():
+  if jax_compat.backends_are_initialized():
     have = jax.device_count()
     if jax.default_backend() == "cpu" and have == n:
       return

@@ -15,10 +15,9 @@ import sys
 import threading
 
 import jax
-from jax._src import distributed as jax_distributed
 
 from shardlab.errors import ConfigError
-from shardlab.runtime import watchdog
+from shardlab.runtime import jax_compat, watchdog
 
 # Set by `shardlab launch` for each process it starts; the CLI reads them as defaults.
 ENV_COORDINATOR = "SHARDLAB_COORDINATOR"
@@ -104,7 +103,7 @@ def _start(init_timeout_s: float, heartbeat_timeout_s: float, coordinator: str,
                                shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)
   finally:
     timer.cancel()
-  state = jax_distributed.global_state  # the runtime client: no public accessor
+  state = jax_compat.distributed_state()
   global _watchdog
   _watchdog = watchdog.Watchdog(state.client, jax.process_index(), jax.process_count(),
                                 state.coordinator_address or coordinator,
@@ -167,7 +166,7 @@ def fail(message: str, code: int) -> None:
 def coordinated_preemption() -> bool:
   """Whether SIGTERM goes through JAX's preemption sync manager: a multi-process run."""
   return jax.process_count() > 1 and \
-      jax_distributed.global_state.preemption_sync_manager is not None
+      jax_compat.distributed_state().preemption_sync_manager is not None
 
 
 def shutdown() -> None:
