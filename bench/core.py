@@ -103,7 +103,7 @@ def run_train(model_cfg, mesh_text: str, strategy: str, batch: int, seq: int, pr
 def matmul_flops(dtype=np.float32, n: int = 2048, reps: int = 10) -> float:
   """FLOP/s of a jitted n×n @ n×n matmul on one device (median of `reps`). For bf16, the
   faster of a bf16 result and bf16 × bf16 → fp32 (which of the two is faster depends on the
-  host's CPU: models/dot.py), so the reference is the best bf16 matmul this host runs."""
+  host's CPU: shardlab/parallel/dot.py), so the reference is the best bf16 matmul this host runs."""
   rng = np.random.default_rng(0)
   dev = jax.devices()[0]
   a, b = (jax.device_put(rng.standard_normal((n, n), np.float32).astype(dtype), dev)
@@ -201,7 +201,7 @@ def main():
 
   results = {"backend": jax.default_backend(), "devices": jax.device_count(),
              "steps": args.steps, "warmup": args.warmup, "cpu_dot": dot.cpu_result()}
-  print(f"XLA:CPU dots asked for: {results['cpu_dot']} (models/dot.py; "
+  print(f"XLA:CPU dots asked for: {results['cpu_dot']} (shardlab/parallel/dot.py; "
         f"SHARDLAB_CPU_DOT overrides); {host_memory.describe()}")
   if {"strategies", "flops"} & set(args.only):
     one_device = run_train(registry.load("tiny"), "data:1", "dp", args.batch, args.seq,

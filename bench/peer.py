@@ -103,7 +103,7 @@ def compare(rounds: int, remats, steps: int, warmup: int) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
   from shardlab.parallel import dot
-  print(f"shardlab's XLA:CPU dots asked for: {dot.cpu_result()} (models/dot.py)")
+  print(f"shardlab's XLA:CPU dots asked for: {dot.cpu_result()} (shardlab/parallel/dot.py)")
   print(f"{'':9s} {'remat':5s} {'ms/step':>8s} {'tokens/s':>9s} {'arg MiB':>8s} "
         f"{'temp MiB':>9s} {'total MiB':>10s} {'speed ×MT':>10s} {'mem ×MT':>8s}")
   for r in rows:

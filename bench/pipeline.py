@@ -7,11 +7,11 @@ For each stage count S (mesh stage:S,data:8/S, strategy dp), microbatch count M 
 (repeats R = 1 GPipe, R > 1 circular): the median of `--steps` train steps of a 16-layer
 micro Llama (d_model 128, batch 128 × 16 tokens, fp32) after one warm-up step, beside
 `bubble` = (S − 1)/(R·M + S − 1), the planner's figure, and `useful`: the fraction of
-(stage, iteration) slots of the schedule that runs (models/pipeline.occupancy, the index
+(stage, iteration) slots of the schedule that runs (shardlab/parallel/pipeline.occupancy, the index
 arithmetic the loop itself uses) doing real work, which should equal 1 − bubble.
 
 How to read it here: simulated devices share this machine's cores, so an idle stage frees
-nothing; bubble iterations run their layers on zeros (models/pipeline.py), so a step costs
+nothing; bubble iterations run their layers on zeros (parallel/pipeline.py), so a step costs
 the work of T = R·M + S − 1 iterations on every stage, and `work/ideal` = T / (R·M) =
 1 / (1 − bubble) is what the schedule itself predicts. `measured` is step time over the
 S = 1 step time at the same M, which adds the schedule's own overheads (buffers, permutes).

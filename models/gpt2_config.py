@@ -1,4 +1,4 @@
-"""The GPT-2 family's shape, and what the core asks of a bundled model (see models/__init__).
+"""The GPT-2 family's shape, and what the core asks of a bundled model (models/protocol.py).
 
 `n_params` is exact: 124,439,808 for gpt2-124m, as in the released checkpoint (the output
 head is the token embedding).
@@ -11,8 +11,10 @@ from flax import nnx
 from shardlab.errors import ConfigError, unknown
 from shardlab import parallel
 from shardlab.models import decoder, gpt2
+from shardlab.models.protocol import arch_of, register
 
 
+@register("gpt2")
 @dataclasses.dataclass(frozen=True)
 class GPT2Config:
   name: str
@@ -29,6 +31,9 @@ class GPT2Config:
   no_weight_decay = gpt2.NO_WEIGHT_DECAY
   remat_policies = tuple(parallel.REMAT_POLICIES)
   tie_embeddings = True
+  # Context parallelism gathers K/V whole (GPT-2 passes no kv_exchange to the attention).
+  kv_exchange = "all-gather"
+  position_limit = "GPT-2's learned position table has no rows past it"
   # For the planner, as in LlamaConfig (print_saved_residuals of this model): per LayerNorm
   # three fp32 tensors (x − mean, its square's cotangent factor, the normalised x) and its
   # output; q, k, v, the attention output; the probabilities (the softmax's gradient is
@@ -38,6 +43,7 @@ class GPT2Config:
                        "mlp": (0, 6)}
   saved_matmul_outputs = {"d": 1, "q": 1, "kv": 2, "mlp": 1}
   lora_targets = ()  # no LoRA adapters (lora.rank > 0 is refused, naming none as valid)
+  lora_weights = {}
 
   def __post_init__(self):
     for f in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
@@ -50,8 +56,9 @@ class GPT2Config:
     if self.d_model % self.n_heads:
       raise ConfigError(f"model.d_model ({self.d_model}) must be a multiple of model.n_heads "
                         f"({self.n_heads})")
-    if self.arch != "gpt2":
-      raise ConfigError(f"model.arch must be 'gpt2' for a GPT2Config, got {self.arch!r}")
+    if self.arch != arch_of(type(self)):
+      raise ConfigError(f"model.arch must be {arch_of(type(self))!r} for a "
+                        f"{type(self).__name__}, got {self.arch!r}")
 
   @property
   def head_dim(self) -> int:
@@ -65,7 +72,9 @@ class GPT2Config:
   def mlp_dim(self) -> int:
     return 4 * self.d_model
 
-  def make(self, rngs: nnx.Rngs, param_dtype, remat: str = "none") -> gpt2.GPT2:
+  def make(self, rngs: nnx.Rngs, param_dtype, remat: str = "none", lora=None) -> gpt2.GPT2:
+    if lora is not None and lora.rank:
+      raise ConfigError(f"model {self.name} ({self.arch}) offers no LoRA targets")
     return gpt2.GPT2(self, rngs, param_dtype, remat)
 
   def init_cache(self, batch: int, length: int, dtype) -> decoder.KVCache:
@@ -89,6 +98,9 @@ class GPT2Config:
     """Token and position tables, the blocks, the final LayerNorm (the head is tied)."""
     d = self.d_model
     return (self.vocab_size + self.max_seq_len) * d + self.n_layer_params + 2 * d
+
+  def n_lora_params(self, lora) -> int:
+    return 0
 
   def flops_per_token(self, seq_len: int) -> float:
     """6·N + 12·layers·d_model·seq (PaLM appendix B); N excludes the position table (a

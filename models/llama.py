@@ -98,12 +98,15 @@ class Attention(nnx.Module):
   def __call__(self, x_BxLxD, cos, sin, mask_LxM, index, doc=None, cache_kv=None):
     """Attention output (and, with `cache_kv`, this layer's updated key/value buffers).
     `doc`: (positions, segment ids) for document masks and context parallelism."""
-    q = _project(self, "q", x_BxLxD, self.q_DxHxE[...])
-    k = _project(self, "k", x_BxLxD, self.k_DxKxE[...])
-    v = _project(self, "v", x_BxLxD, self.v_DxKxE[...])
+    q, k, v = (self.project(t, x_BxLxD) for t in ("q", "k", "v"))
     out, cache_kv = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, mask_LxM,
                            cache_kv, index, self.impl, doc, self.exchange)
-    return _project(self, "o", out, self.o_HxExD[...]), cache_kv
+    return self.project("o", out), cache_kv
+
+  def project(self, target: str, x):
+    """One projection ("q", "k", "v" or "o") of x, with its LoRA adapter's update: the seam a
+    variant overrides (a bias, a norm on q and k)."""
+    return _project(self, target, x, getattr(self, LORA_WEIGHTS[target])[...])
 
 
 class MLP(nnx.Module):
@@ -121,7 +124,7 @@ class MLP(nnx.Module):
   def __call__(self, x_BxLxD):
     # Each weight gradient reduced to its shard before the backward goes on below the matmul
     # that uses it: XLA would hold the whole-size sums through the attention's backward
-    # (sharding/early_grads.py; the attention's own made no difference, measured).
+    # (shardlab/parallel/early_grads.py; the attention's own made no difference, measured).
     x, (w_gate, w_up) = reduce_grads_early(x_BxLxD, self.gate_DxF, self.up_DxF)
     gate = _project(self, "gate", x, w_gate)
     up = _project(self, "up", x, w_up)
@@ -146,21 +149,26 @@ def _project(module: nnx.Module, target: str, x, weight: jax.Array):
 
 def _adapter(lora_cfg, target: str, weight: nnx.Param, dtype, rngs, stack):
   names = weight.get_metadata()["out_sharding"][len(stack):]
-  return parallel.lora_adapter(lora_cfg, target, LORA_SPECS[target], weight.shape[len(stack):], names,
-                    dtype, rngs, stack)
+  return parallel.lora_adapter(lora_cfg, target, LORA_SPECS[target], weight.shape[len(stack):],
+                               names, dtype, rngs, stack)
 
 
-def block(cfg, dtype, rngs: nnx.Rngs, stack=(), lora_cfg=None) -> Block:
+def block(cfg, dtype, rngs: nnx.Rngs, stack=(), lora_cfg=None, attention=None) -> Block:
   """One layer (stacked over `stack`); with `lora_cfg` (a LoraConfig) its targets get
-  adapters, drawn from their own stream so the base init is the same with or without."""
-  extra = {} if lora_cfg is None else {"lora_cfg": lora_cfg, "lora_rngs": parallel.adapter_rngs(rngs)}
-  return Block(RMSNorm(cfg, dtype, rngs, stack), Attention(cfg, dtype, rngs, stack, **extra),
-               RMSNorm(cfg, dtype, rngs, stack), MLP(cfg, dtype, rngs, stack, **extra))
+  adapters, drawn from their own stream so the base init is the same with or without.
+  `attention`: the attention class (default Attention; a variant passes its subclass)."""
+  extra = ({} if lora_cfg is None else
+           {"lora_cfg": lora_cfg, "lora_rngs": parallel.adapter_rngs(rngs)})
+  attn = (attention or Attention)(cfg, dtype, rngs, stack, **extra)
+  return Block(RMSNorm(cfg, dtype, rngs, stack), attn, RMSNorm(cfg, dtype, rngs, stack),
+               MLP(cfg, dtype, rngs, stack, **extra))
 
 
 class Llama(nnx.Module):
   """Decoder-only Transformer. `param_dtype` is the storage dtype of the parameters;
-  `lora_cfg` (a LoraConfig with rank > 0) adds adapters to its targets (models/lora.py)."""
+  `lora_cfg` (a LoraConfig with rank > 0) adds adapters to its targets (parallel/lora.py)."""
+
+  ATTENTION = Attention  # a variant's own attention class (a subclass overriding `project`)
 
   def __init__(self, cfg, rngs: nnx.Rngs, param_dtype=jnp.float32,
                remat: str = "none", lora_cfg=None):
@@ -169,7 +177,8 @@ class Llama(nnx.Module):
     d, v = cfg.d_model, cfg.vocab_size
     # Tied: the table is also the output projection, so it is scaled like one (logits ~ 1).
     self.embed_VxD = _param(rngs, (v, d), ("vocab", "embed"), d, param_dtype)
-    self.blocks = block(cfg, param_dtype, rngs, stack=(cfg.n_layers,), lora_cfg=lora_cfg)
+    self.blocks = block(cfg, param_dtype, rngs, stack=(cfg.n_layers,), lora_cfg=lora_cfg,
+                        attention=self.ATTENTION)
     self.final_norm = RMSNorm(cfg, param_dtype, rngs)
     if not cfg.tie_embeddings:
       self.head_DxV = _param(rngs, (d, v), ("embed", "vocab"), d, param_dtype)

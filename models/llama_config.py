@@ -1,7 +1,8 @@
-"""The llama family's shape, and what the core asks of a bundled model (see models/__init__).
+"""The llama family's shape, and what the core asks of a bundled model (models/protocol.py).
 
 Shape fields are the published ones; `n_params` is exact (it equals the sum over the
-abstract state, which the tests check).
+abstract state, which the tests check). A variant subclasses LlamaConfig and registers under
+its own name (tests/data/llama_qkv_bias.py is one).
 """
 
 import dataclasses
@@ -11,8 +12,10 @@ from flax import nnx
 from shardlab.errors import ConfigError, unknown
 from shardlab import parallel
 from shardlab.models import decoder, llama, rope
+from shardlab.models.protocol import arch_of, register
 
 
+@register("llama")
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
   name: str
@@ -34,7 +37,8 @@ class LlamaConfig:
   tie_embeddings: bool = False
   max_seq_len: int = 2048
   attention: str = "xla"  # "xla" | "flash" | "auto": shardlab.parallel.attention
-  kv_exchange: str = "all-gather"  # "all-gather" | "ring": context parallelism (shardlab.parallel.attention)
+  # "all-gather" | "ring": context parallelism (shardlab.parallel.attention)
+  kv_exchange: str = "all-gather"
   arch: str = "llama"
   # The tokenizer's special ids a Hugging Face export writes (config.json and
   # generation_config.json); eos may list several ids, comma-separated ("128001,128009").
@@ -59,6 +63,7 @@ class LlamaConfig:
   # The projections LoRA can adapt (lora.targets), and the weight each one adapts.
   lora_targets = tuple(llama.LORA_WEIGHTS)
   lora_weights = llama.LORA_WEIGHTS
+  position_limit = "RoPE was not trained past it"  # the planner's note past max_seq_len
 
   def __post_init__(self):
     for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -78,8 +83,10 @@ class LlamaConfig:
       raise ConfigError(
           f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads "
           f"({self.n_kv_heads}) for grouped-query attention")
-    if self.arch != "llama":
-      raise ConfigError(f"model.arch must be 'llama' for a LlamaConfig, got {self.arch!r}")
+    # A registered subclass checks against its own name (an unregistered one, its base's).
+    if self.arch != arch_of(type(self)):
+      raise ConfigError(f"model.arch must be {arch_of(type(self))!r} for a "
+                        f"{type(self).__name__}, got {self.arch!r}")
 
   @property
   def eos_ids(self) -> tuple[int, ...]:

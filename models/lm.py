@@ -1,7 +1,7 @@
 """What every bundled language model shares: the next-token loss over a B×(L+1) token batch.
 
 A bundled LM module has `hidden(tokens_BxL) -> B×L×D` (the final-normed residual stream)
-and `output_head() -> D×V`; its config has the protocol described in models/__init__.py.
+and `output_head() -> D×V`; its config keeps the contract of models/protocol.py.
 A batch is the B×(L+1) token array, or a dict with `tokens` and, for packed documents,
 `segment_ids` (B×(L+1), 0 for padding) and optionally `positions` (restarting per document;
 derived from the segment ids when absent). Then `hidden` also takes positions and segment

@@ -1,4 +1,5 @@
-"""A Mixtral-style mixture-of-experts decoder's shape, and what the core asks of it.
+"""A Mixtral-style mixture-of-experts decoder's shape, and what the core asks of it (the
+contract's expert members, models/protocol.py EXPERTS, among them).
 
 The attention half is llama's (models/llama_config.py holds the shared fields); every MLP is
 replaced by `n_experts` SwiGLU experts of width `mlp_dim`, of which a router picks
@@ -15,8 +16,10 @@ from shardlab import parallel
 from shardlab.errors import ConfigError, unknown
 from shardlab.models import decoder, experts, llama, moe
 from shardlab.models.llama_config import LlamaConfig
+from shardlab.models.protocol import arch_of, register
 
 
+@register("moe")
 @dataclasses.dataclass(frozen=True)
 class MoEConfig(LlamaConfig):
   n_experts: int = 8
@@ -39,8 +42,9 @@ class MoEConfig(LlamaConfig):
   def __post_init__(self):
     shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(LlamaConfig)}
     LlamaConfig(**{**shared, "arch": "llama"})  # the attention half's checks
-    if self.arch != "moe":
-      raise ConfigError(f"model.arch must be 'moe' for a MoEConfig, got {self.arch!r}")
+    if self.arch != arch_of(type(self)):
+      raise ConfigError(f"model.arch must be {arch_of(type(self))!r} for a "
+                        f"{type(self).__name__}, got {self.arch!r}")
     if self.n_experts < 1 or not 1 <= self.experts_per_token <= self.n_experts:
       raise ConfigError(f"model.experts_per_token ({self.experts_per_token}) must be in "
                         f"1..model.n_experts ({self.n_experts})")

@@ -1,6 +1,9 @@
 """Bundled architectures by name, and their TOML presets (package data in presets/).
 
-A preset or model file names its architecture with `arch = "..."` (default "llama").
+A preset or model file names its architecture with `arch = "..."` (default "llama"). Each
+architecture registers itself in its own file with `@register("name")`
+(shardlab.models.protocol); importing this module imports the bundled ones, so their names
+are known. A new one (a file of your own) registers when it is imported, before `load`.
 """
 
 import importlib.resources
@@ -9,11 +12,9 @@ from pathlib import Path
 
 from shardlab import config as config_lib
 from shardlab.errors import ConfigError, unknown
-from shardlab.models.gpt2_config import GPT2Config
-from shardlab.models.llama_config import LlamaConfig
-from shardlab.models.moe_config import MoEConfig
-
-ARCHITECTURES = {"llama": LlamaConfig, "gpt2": GPT2Config, "moe": MoEConfig}
+# Imported for their registration: each file's @register puts its config on the registry.
+from shardlab.models import gpt2_config, llama_config, moe_config  # noqa: F401
+from shardlab.models.protocol import ARCHITECTURES  # noqa: F401 (read-only: name -> class)
 
 
 def _preset_dir():

@@ -1,4 +1,4 @@
-"""models/dot.einsum: fp32 accumulation forward and backward, gradients in the operands'
+"""shardlab/parallel/dot.einsum: fp32 accumulation forward and backward, gradients in the operands'
 dtype, equal to autodiff of the fp32 einsum."""
 
 import jax

@@ -18,7 +18,7 @@ from shardlab.sharding import mesh as mesh_lib
 # Capacity dispatch is modelled (models/moe_config.py saved_activations): within 15%.
 # Dropless is not: measured 0.40 and 0.36 (512 tokens a device). XLA:CPU's ragged_dot keeps
 # more than the rows it multiplies, and under EP dropless pads each peer's slot to K·T rows
-# (models/dispatch.py), so what the backward keeps grows with the EP degree, which the
+# (shardlab/parallel/dispatch.py), so what the backward keeps grows with the EP degree, which the
 # model config the planner asks cannot see. The state is exact in every case.
 CASES = {("capacity", "dp", "data:2,expert:4"): (0.85, 1.15),
          ("capacity", "fsdp", "fsdp:2,expert:4"): (0.85, 1.15),

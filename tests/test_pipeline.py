@@ -1,4 +1,4 @@
-"""Pipeline parallelism (models/pipeline.py) computes what one device computes: loss,
+"""Pipeline parallelism (shardlab/parallel/pipeline.py) computes what one device computes: loss,
 gradients and AdamW steps for GPipe and circular schedules over 2, 4 and 8 stages, combined
 with fsdp, tensor and data parallelism inside a stage, and under full remat; its compiled
 step moves activations with collective-permutes and never gathers another stage's layer

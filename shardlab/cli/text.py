@@ -7,6 +7,7 @@ import numpy as np
 
 from shardlab import generate
 from shardlab.errors import ConfigError
+from shardlab.models import protocol
 from shardlab.training import feed, tokenizer as tokenizer_lib
 
 
@@ -23,7 +24,7 @@ def eos_ids(tokenizer, cfg) -> tuple[int, ...]:
     return ()
   ids = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
   if (cfg.checkpoint.init_from or "").startswith("hf:"):
-    ids += [i for i in getattr(cfg.model, "eos_ids", ()) if i < tokenizer.vocab_size]
+    ids += [i for i in protocol.get(cfg.model, "eos_ids") if i < tokenizer.vocab_size]
   return tuple(dict.fromkeys(ids))
 
 

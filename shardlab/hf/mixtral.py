@@ -15,6 +15,7 @@ import numpy as np
 
 from shardlab.errors import ConfigError
 from shardlab.hf import config as hf_config
+from shardlab.models import protocol
 from shardlab.models.moe_config import MoEConfig
 
 ARCHITECTURE = "MixtralForCausalLM"
@@ -49,7 +50,7 @@ def to_model(hf: dict, name: str = "hf", where: str = hf_config.CONFIG_FILE):
 def from_model(m, dtype: str) -> dict:
   """A config.json that transformers' LlamaForCausalLM or MixtralForCausalLM loads."""
   out = hf_config.from_model(m, dtype)
-  if getattr(m, "arch", "llama") != "moe":
+  if not protocol.has(m, "n_experts"):  # a dense llama
     return out
   for key in ("mlp_bias", "attention_bias"):
     out.pop(key)

@@ -22,6 +22,7 @@ import numpy as np
 from shardlab.hf import config as hf_config
 from shardlab.hf import files as hf_files
 from shardlab.hf import mixtral
+from shardlab.models import protocol
 from shardlab.models.llama_config import LlamaConfig
 from shardlab.errors import ConfigError
 from shardlab.training.state import Abstract, Shardings
@@ -65,7 +66,7 @@ def mappings(m: LlamaConfig) -> list[Mapping]:
       _block("attn.o_HxExD", "self_attn.o_proj", ("D", "HE"), "HED"),
       _block("mlp_norm.scale", "post_attention_layernorm", ("D",), "D"),
   ]
-  out += _moe_mappings() if getattr(m, "arch", "llama") == "moe" else [
+  out += _moe_mappings() if protocol.has(m, "n_experts") else [
       _block("mlp.gate_DxF", "mlp.gate_proj", ("F", "D"), "DF"),
       _block("mlp.up_DxF", "mlp.up_proj", ("F", "D"), "DF"),
       _block("mlp.down_FxD", "mlp.down_proj", ("D", "F"), "FD"),
@@ -87,13 +88,14 @@ def _moe_mappings() -> list[Mapping]:
 
 def sizes(m: LlamaConfig) -> dict[str, int]:
   return {"V": m.vocab_size, "D": m.d_model, "H": m.n_heads, "K": m.n_kv_heads,
-          "E": m.head_dim, "F": m.mlp_dim, "X": getattr(m, "n_experts", 1)}
+          "E": m.head_dim, "F": m.mlp_dim,
+          "X": m.n_experts if protocol.has(m, "n_experts") else 1}
 
 
 def reader(hf_dir, m) -> hf_files.Reader:
   """The directory's tensors; a Mixtral's experts also as one stacked tensor each."""
   found = hf_files.Reader(hf_dir)
-  return mixtral.ExpertReader(found, m.n_experts) if getattr(m, "arch", "") == "moe" else found
+  return mixtral.ExpertReader(found, m.n_experts) if protocol.has(m, "n_experts") else found
 
 
 def hf_shape(mapping: Mapping, size: dict[str, int]) -> tuple[int, ...]:

@@ -173,7 +173,7 @@ def _reduction(reduce: set, g_axes: set, g_bytes: float, mesh, reduce_scatter: b
 
 def context_transfers(m, a: ActivationShapes, rules: rules_lib.Rules, mesh, p: int,
                       remat: str, microbatches: int) -> list[Transfer]:
-  """Context parallelism's KV exchange per layer and microbatch (models/context.py), K and V
+  """Context parallelism's KV exchange per layer and microbatch (parallel/context.py), K and V
   with their positions and segment ids (int32):
     all-gather  forward gathers the whole K/V (again under full remat); backward
                 reduce-scatters dK/dV in fp32;

@@ -2,10 +2,11 @@
 device stores, and the bytes expert parallelism moves by all-to-all.
 
 A model config offers this by having `n_active_params`, `n_experts`, `experts_per_token`,
-`n_expert_params`, `dispatch` and `capacity(tokens)` (models/moe_config.py); the FLOPs per
+`n_expert_params`, `dispatch` and `capacity(tokens)` (models/moe_config.py; the contract's
+EXPERTS group, shardlab.models.protocol); the FLOPs per
 token it reports already count the active parameters only.
 
-All-to-all bytes follow models/dispatch.py: each layer sends each device's dispatch buffer
+All-to-all bytes follow parallel/dispatch.py: each layer sends each device's dispatch buffer
 there and back in the forward, again in the backward, and once more each way when full
 remat reruns the forward. Capacity's buffer is E × C × D (C for the device's tokens);
 dropless's is N × K·T × D (a worst-case slot for every assignment at every peer). Counted
@@ -18,6 +19,7 @@ import math
 
 import jax.numpy as jnp
 
+from shardlab.models import protocol
 from shardlab.plan import comm as plan_comm
 from shardlab.sharding import rules as rules_lib
 from shardlab.training import precision as precision_lib
@@ -35,7 +37,9 @@ class Experts:
 
 
 def is_moe(model) -> bool:
-  return hasattr(model, "n_active_params") and hasattr(model, "n_experts")
+  # n_experts stands for the group: a config that has it registers only with all of
+  # shardlab.models.protocol.EXPERTS.
+  return protocol.has(model, "n_experts")
 
 
 def figures(model, strategy: str, rule_overrides, mesh_shape: dict, global_batch: int,

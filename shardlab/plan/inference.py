@@ -23,6 +23,7 @@ import jax
 
 from shardlab import config as config_lib
 from shardlab.errors import ConfigError, unknown
+from shardlab.models import protocol
 from shardlab.plan import estimate as plan_estimate
 from shardlab.plan import memory as plan_memory
 from shardlab.sharding import mesh as mesh_lib
@@ -143,7 +144,7 @@ class Estimate:
 def active_params(model) -> int:
   """Parameters one token's forward pass reads: all of them for a dense model; a mixture of
   experts says how many with `n_active_params`."""
-  return getattr(model, "n_active_params", model.n_params)
+  return protocol.get(model, "n_active_params")
 
 
 @functools.lru_cache(maxsize=4)

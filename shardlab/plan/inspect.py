@@ -193,7 +193,7 @@ def render(cfg: Config, lay: Layout, sh: Shardings, activations: bool = False) -
            f"{cfg.strategy}   mesh {mesh} ({math.prod(sh.mesh.shape.values())} devices)   "
            f"optimizer {cfg.train.optimizer}", ""]
   lines += _state_lines(lay)
-  lines += schedule.lines(getattr(cfg.model, "n_layers", None), sh.rules, sh.mesh,
+  lines += schedule.lines(cfg.model.n_layers, sh.rules, sh.mesh,
                           cfg.train.microbatches, cfg.train.pipeline_repeats)
   if activations:
     micro = cfg.train.global_batch // cfg.train.microbatches

@@ -12,6 +12,7 @@ doubling and then bisecting.
 import dataclasses
 
 from shardlab.errors import ConfigError
+from shardlab.models import protocol
 from shardlab.plan.estimate import Estimate, Request, estimate, split_ici_dcn
 
 GRANULE = 1024
@@ -86,8 +87,8 @@ def _row(req: Request, model, acc, n: int, c: int, cap: int) -> Row:
 def render(rows: list[Row], model, acc, n: int, batch: int) -> list[str]:
   lines = [f"longest sequence that fits {model.name} on {n} × {acc.name} "
            f"({acc.usable_bytes / 2**30:.1f} GiB usable), global batch {batch}, "
-           f"attention {getattr(model, 'attention', 'xla')}, KV exchange "
-           f"{getattr(model, 'kv_exchange', 'all-gather')}:",
+           f"attention {protocol.get(model, 'attention')}, KV exchange "
+           f"{protocol.get(model, 'kv_exchange')}:",
            f"  {'context':>7s} {'seq_len':>10s}  {'layout':52s} {'GiB/device':>10s} "
            f"{'tokens/s':>10s}"]
   for r in rows:

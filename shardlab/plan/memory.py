@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from shardlab.config import TrainConfig
+from shardlab.models import protocol
 from shardlab.parallel import flash as attention
 from shardlab.sharding import rules as rules_lib
 
@@ -109,15 +110,14 @@ class ActivationShapes:
   ring: bool = False  # the KV exchange, when context > 1: ring, else all-gather
 
 
-# What autodiff saves per layer of a model that does not say (`saved_activations` on its
-# config; llama's blocks): by shape, (fp32 count, compute-dtype count).
-SAVED = {"d": (4, 2), "q": (0, 2), "kv": (0, 2), "scores": (1, 1), "mlp": (0, 6)}
-MATMUL_OUTPUTS = {"d": 1, "q": 1, "kv": 2, "mlp": 2}
+# What autodiff saves per layer (`saved_activations`) and the matmul outputs remat keeps
+# (`saved_matmul_outputs`) come from the model's config: a model without them is refused
+# (shardlab.models.protocol.get), not given another model's counts.
 
 
 def attention_kind(m, platform: str) -> str:
-  """"flash" or "xla": what model.attention runs as on `platform` (models/attention)."""
-  return attention.resolve(getattr(m, "attention", "xla"), platform)
+  """"flash" or "xla": what model.attention runs as on `platform` (shardlab/parallel/flash.py)."""
+  return attention.resolve(protocol.get(m, "attention"), platform)
 
 
 def activation_shapes(m, micro_batch: int, seq_len: int, table: dict, mesh,
@@ -148,19 +148,19 @@ def activation_shapes(m, micro_batch: int, seq_len: int, table: dict, mesh,
       positions=n((b, s), ("batch", "length"), "positions"),
       head=n((m.d_model, m.vocab_size), ("embed", "vocab"), "head gradient"),
       flash=flash, context=context,
-      ring=context > 1 and getattr(m, "kv_exchange", "all-gather") == "ring",
+      ring=context > 1 and protocol.get(m, "kv_exchange") == "ring",
   )
 
 
 def _saved_by_shape(a: ActivationShapes, p: int, m) -> dict[str, float]:
-  counts = getattr(m, "saved_activations", SAVED)
+  counts = protocol.get(m, "saved_activations")
   out = {k: getattr(a, k) * (4 * f32 + p * low) for k, (f32, low) in counts.items()}
   if a.flash:  # no probabilities: the kernel keeps its own q, k, v, output and fp32 lse
     out["scores"] = a.q * FLASH_SAVED_Q * p + a.kv * FLASH_SAVED_KV * p + a.q / m.head_dim * 4
   return out
 
 
-def layer_saved_bytes(a: ActivationShapes, p: int, remat: str, m=None) -> float:
+def layer_saved_bytes(a: ActivationShapes, p: int, remat: str, m) -> float:
   """Bytes one layer keeps for its backward pass, per microbatch, per device.
 
   remat none: what JAX's autodiff saves, as the model's config lists it (`saved_activations`,
@@ -177,12 +177,12 @@ def layer_saved_bytes(a: ActivationShapes, p: int, remat: str, m=None) -> float:
   if remat == "offload":  # the layer input too goes to the host
     return 0.0
   if remat == "save-matmul-outputs":
-    outs = getattr(m, "saved_matmul_outputs", MATMUL_OUTPUTS)
+    outs = protocol.get(m, "saved_matmul_outputs")
     return a.d * p + sum(getattr(a, k) * n * p for k, n in outs.items())
   return sum(_saved_by_shape(a, p, m).values())
 
 
-def layer_backward_transient(a: ActivationShapes, p: int, remat: str, m=None,
+def layer_backward_transient(a: ActivationShapes, p: int, remat: str, m,
                              platform: str = "cpu") -> float:
   """Peak extra bytes while one layer runs backward, beyond what the layers keep.
 

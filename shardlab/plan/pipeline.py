@@ -1,4 +1,4 @@
-"""The planner's view of a pipeline (models/pipeline.py): bubble, per-stage activations,
+"""The planner's view of a pipeline (shardlab/parallel/pipeline.py): bubble, per-stage activations,
 point-to-point bytes.
 
 With S stages, R repeats, M microbatches of b rows and N = S·R·K layers:

@@ -15,7 +15,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from shardlab.errors import ConfigError
-from shardlab.models import registry
+from shardlab.models import protocol, registry
 from shardlab.plan.estimate import (MAX_DEVICES, STRATEGIES, Estimate, Request, abstract_mesh,
                                     default_shape, estimate, resolve_mesh, run_config,
                                     split_ici_dcn, train_config)
@@ -90,8 +90,7 @@ def warnings(req: Request, model) -> list[str]:
   if req.seq_len > model.max_seq_len:
     # train.py refuses this run; a planner answers anyway (the step's cost is well defined)
     # and says what it would take.
-    why = ("GPT-2's learned position table has no rows past it" if
-           getattr(model, "arch", None) == "gpt2" else "RoPE was not trained past it")
+    why = protocol.get(model, "position_limit")
     out.append(f"--seq-len {req.seq_len} exceeds {model.name}'s trained context "
                f"(max_seq_len {model.max_seq_len}): {why}, and train.py refuses it (raise "
                f"max_seq_len in a model TOML, and extend the context, to train this long)")

@@ -21,7 +21,7 @@ from shardlab.sharding.mesh import AXES as MESH_AXES
 # (`register_axes("patches")`) and map them with rule overrides.
 # `length` is the sequence where attention reads it (queries, keys, values, MLP, logits);
 # `residual_length` the residual stream's and the norms' (Megatron-SP splits only that one).
-# `lora_rank` is a LoRA adapter's rank dim (models/lora.py): small, replicated everywhere.
+# `lora_rank` is a LoRA adapter's rank dim (parallel/lora.py): small, replicated everywhere.
 # `experts` is the expert dim of a mixture of experts' weights (models/experts.py).
 BUILTIN_AXES = ("batch", "length", "residual_length", "embed", "heads", "kv_heads",
                 "head_dim", "mlp", "vocab", "layers", "lora_rank", "experts")
@@ -39,7 +39,7 @@ def register_axes(*names: str) -> None:
 # Context parallelism: every strategy splits the sequence over the `context` mesh axis, a
 # no-op on meshes without one (a mesh axis the mesh lacks counts as size 1).
 # Expert parallelism: the `expert` axis splits the batch like a data axis and holds 1/n of
-# each layer's experts (tokens travel to them by all-to-all, models/dispatch.py); a no-op on
+# each layer's experts (tokens travel to them by all-to-all, parallel/dispatch.py); a no-op on
 # meshes without one.
 BATCH = {"batch": ("data", "fsdp", "expert"), "length": "context",
          "residual_length": "context"}

@@ -36,7 +36,7 @@ def describe(run: Run) -> str:
       (f"   LoRA rank {cfg.lora.rank} on {cfg.lora.targets}" if cfg.lora.rank else ""),
       f"batch    {cfg.train.global_batch} × {cfg.train.seq_len} tokens, "
       f"{cfg.train.microbatches} microbatch(es), {cfg.train.steps} steps",
-      *schedule.lines(getattr(m, "n_layers", None), run.shardings.rules, run.mesh,
+      *schedule.lines(m.n_layers, run.shardings.rules, run.mesh,
                       cfg.train.microbatches, cfg.train.pipeline_repeats),
       f"data     {run.feed.describe()}",
   ])

@@ -5,7 +5,7 @@ fits, else the row is closed (its rest is padding, segment id 0) and a new one s
 document longer than a row is cut into row-sized pieces. So every row is one contiguous
 slice of a shard's token stream, and the plan is just (shard, start, length) per row.
 Segment ids number the documents of a row from 1; positions restart at 0 at each document
-(and at a row's first token). The model masks attention by segment (models/context.py) and
+(and at a row's first token). The model masks attention by segment (parallel/context.py) and
 the loss skips targets across documents and padding (models/lm.py).
 """
 

@@ -1,6 +1,6 @@
 """A language-model run built from a Config: mesh, rules, abstract state, shardings, the
 jitted steps and the data. `setup(cfg)` wires a bundled model (its config dataclass is
-`cfg.model`, see shardlab/models/__init__.py); your own module goes through the
+`cfg.model`, keeping the contract of models/protocol.py); your own module goes through the
 `abstract_state` / `shardings` / `init` / `train_step` API directly. Also here: the guard
 against non-finite steps (train.nonfinite) and the config check of a resume.
 """
@@ -86,7 +86,7 @@ def model_factory(cfg: Config):
   param_dtype = precision.resolve(cfg.train.precision).param_dtype
   if not cfg.lora.rank:
     return lambda: cfg.model.make(nnx.Rngs(cfg.train.seed), param_dtype, cfg.train.remat)
-  offered = getattr(cfg.model, "lora_targets", ())
+  offered = cfg.model.lora_targets
   wrong = [t for t in cfg.lora.target_names if t not in offered]
   if wrong:
     raise ConfigError(f"lora.targets {', '.join(wrong)} not offered by model "

@@ -121,7 +121,7 @@ NONFINITE_POLICIES = ("stop", "skip")
 def pipeline_split(shardings: Shardings, microbatches: int, repeats: int = 1):
   """(microbatches the step loops over, (microbatches, repeats) for the pipeline). When the
   rules split `layers` over `stage`, the pipeline consumes train.microbatches itself: the
-  step hands it the whole batch (models/pipeline.py)."""
+  step hands it the whole batch (shardlab/parallel/pipeline.py)."""
   if rules_lib.pipeline_stages(shardings.rules, shardings.mesh) > 1:
     return 1, (microbatches, repeats)
   return microbatches, (1, 1)
@@ -146,7 +146,8 @@ def make_train_step(loss_fn: LossFn, abstract: Abstract, shardings: Shardings, *
   schedule, lr. `grad_dtype`: "auto", "fp32" or "bf16" (see precision.gradient_dtype).
   `nonfinite`: "stop" applies every update (the caller stops on `finite`); "skip" keeps the
   params and optimizer state of a non-finite step as they were and reports skipped = 1.
-  `early_grads`: reduce weight gradients where the model asks (shardlab.parallel.reduce_grads_early).
+  `early_grads`: reduce weight gradients where the model asks
+  (shardlab.parallel.reduce_grads_early).
   `scan_unroll`: layers per iteration of the model's layer scan (shardlab.parallel.scan)."""
   _check_options(nonfinite, shardings)
   dtype = precision.gradient_dtype(abstract.policy, grad_dtype)
