@@ -29,7 +29,8 @@ from shardlab.observe.serving import ServingReport
 from shardlab.sharding import mesh as mesh_lib
 from shardlab.sharding import rules as rules_lib
 from shardlab.sharding.activations import activation_rules
-from shardlab.training import checkpoint, data, precision
+from shardlab.data import corpus as corpus_lib
+from shardlab.training import checkpoint, precision
 from shardlab.training import run as run_lib
 from shardlab.training.state import Abstract, Shardings
 
@@ -41,7 +42,7 @@ class Sampling:
   top_k: int = 40  # 0: the whole vocabulary
   seed: int = 0
   num_samples: int = 1
-  vocab: int = data.VOCAB  # ids 0..vocab-1 can be drawn: bytes, or a tokenizer's vocabulary
+  vocab: int = corpus_lib.VOCAB  # ids 0..vocab-1 can be drawn: bytes, or a tokenizer's vocabulary
   eos_ids: tuple[int, ...] = ()  # a row is done once it draws one; the loop ends when all are
 
   def __post_init__(self):
@@ -54,7 +55,7 @@ class Sampling:
       raise ConfigError(f"top_k must be >= 0 (0 keeps every token), got {self.top_k}")
 
 
-def sample(logits_BxV, key, temperature: float, top_k: int, vocab: int = data.VOCAB):
+def sample(logits_BxV, key, temperature: float, top_k: int, vocab: int = corpus_lib.VOCAB):
   """Next tokens from fp32 logits; only ids below `vocab` can be drawn."""
   logits = logits_BxV[:, :vocab].astype(jnp.float32)
   if temperature == 0:

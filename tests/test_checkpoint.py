@@ -103,7 +103,7 @@ def test_restore_onto_other_meshes(tmp_path):
       jax.tree.map(lambda a, s: pytest.approx(0) if a.sharding == s else
                    pytest.fail(f"{a.sharding} != {s}"), st.params, sh.state.params)
     # Training continues on this mesh.
-    from shardlab.training.data import global_batch, load
+    from shardlab.data.corpus import global_batch, load
     corpus = load(cfg.data, cfg.train.seq_len)
     train_step = run_lib.make_steps(cfg, abstract, sh)[0]
     st, metrics = train_step(st, global_batch(corpus.train, 0, int(st.step), 16, 32, sh.batch))

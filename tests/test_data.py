@@ -15,7 +15,7 @@ from flax import nnx
 from shardlab import cli, config
 from shardlab.errors import ConfigError
 from shardlab.models import lm, registry
-from shardlab.training import feed, packing, tokenizer, tokens
+from shardlab.data import feed, packing, tokenizer, tokens
 from shardlab.training import loop as train
 
 import helpers as H
@@ -32,7 +32,7 @@ def bpe(tmp_path_factory):
 
 
 def _stdlib():
-  from shardlab.training import data
+  from shardlab.data import corpus as data
   return data._files(config.DataConfig())[0]
 
 

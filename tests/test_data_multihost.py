@@ -12,7 +12,7 @@ import pytest
 from shardlab import config
 from shardlab.models import registry
 from shardlab.testing import processes
-from shardlab.training import data, tokenizer, tokens
+from shardlab.data import corpus as data, tokenizer, tokens
 from shardlab.training import run as run_lib
 
 pytestmark = pytest.mark.slow

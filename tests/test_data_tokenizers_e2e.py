@@ -12,7 +12,7 @@ import pytest
 
 from shardlab import cli, config, generate
 from shardlab.cli import text
-from shardlab.training import data, tokenizer, tokens
+from shardlab.data import corpus as data, tokenizer, tokens
 
 pytestmark = pytest.mark.slow
 SMALL = ["--mesh", "fsdp:4,tensor:2", "--set", "train.seq_len=32", "--set",

@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from shardlab import config
-from shardlab.training import data
+from shardlab.data import corpus as data
 from shardlab.sharding import mesh
 from shardlab.sharding import rules
 from shardlab.training import state

@@ -16,7 +16,7 @@ from shardlab.cli import generate as generate_cli
 from shardlab.cli import inspect as inspect_cli
 from shardlab.cli import train as train_cli
 from shardlab.errors import ConfigError
-from shardlab.training import data
+from shardlab.data import corpus as data
 from test_checkpoint import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ from shardlab.cli import generate as generate_cli
 from shardlab.cli import text
 from shardlab.errors import ConfigError
 from shardlab.models import registry
-from shardlab.training import tokenizer
+from shardlab.data import tokenizer
 
 PROMPT = np.array([100, 101, 102, 32, 120], np.int32)
 BYTES = tokenizer.ByteTokenizer()

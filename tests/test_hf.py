@@ -21,7 +21,7 @@ except ImportError as e:  # only a missing extra skips; any other failure is a f
 from shardlab.training import checkpoint
 from shardlab import cli
 from shardlab import config
-from shardlab.training import data
+from shardlab.data import corpus as data
 from shardlab.hf import weights as hf
 from shardlab.hf import convert as hf_convert
 from shardlab.models import registry

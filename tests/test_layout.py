@@ -4,13 +4,14 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# cli → {plan, hf, generate, testing} → training → observe → models → parallel → sharding →
-# {config, runtime, meshes} → errors. A module imports only lower ranks (or its own group).
+# cli → {plan, hf, generate, testing} → training → {observe, data} → models → parallel →
+# sharding → {config, runtime, meshes} → errors. A module imports only lower ranks (or its own
+# group).
 RANKS = {
     "shardlab.cli": 8,
     "shardlab.plan": 7, "shardlab.hf": 7, "shardlab.generate": 7, "shardlab.testing": 7,
     "shardlab.training": 6,
-    "shardlab.observe": 5,
+    "shardlab.observe": 5, "shardlab.data": 5,
     "shardlab.models": 4,
     "shardlab.parallel": 3,
     "shardlab.sharding": 2,

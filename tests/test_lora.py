@@ -20,7 +20,7 @@ from shardlab.errors import ConfigError
 from shardlab.parallel import lora
 from shardlab.models.gpt2_config import GPT2Config
 from shardlab.sharding.activations import activation_rules
-from shardlab.training import data
+from shardlab.data import corpus as data
 from shardlab.training import run as run_lib
 from shardlab.training import state as state_lib
 

@@ -43,12 +43,12 @@ def _stdlib_files(source: str):
   if source != "stdlib":
     return None
   from shardlab.config import DataConfig
-  from shardlab.training import data
-  return data._files(DataConfig())[0]
+  from shardlab.data import corpus
+  return corpus._files(DataConfig())[0]
 
 
 def _run(args) -> None:
-  from shardlab.training import tokenizer, tokens
+  from shardlab.data import tokenizer, tokens
 
   say = lambda text: print(text, file=sys.stderr, flush=True)
   files = _stdlib_files(args.source)

@@ -8,7 +8,7 @@ import numpy as np
 from shardlab import generate
 from shardlab.errors import ConfigError
 from shardlab.models import protocol
-from shardlab.training import feed, tokenizer as tokenizer_lib
+from shardlab.data import feed, tokenizer as tokenizer_lib
 
 
 def tokenizer_of(cfg):

@@ -16,7 +16,8 @@ from shardlab.errors import ConfigError
 from shardlab.hf import weights as hf
 from shardlab.observe.progress import Activity
 from shardlab.runtime import distributed
-from shardlab.training import loop, tokenizer as tokenizer_lib
+from shardlab.data import tokenizer as tokenizer_lib
+from shardlab.training import loop
 from shardlab.training.run import NonFiniteError
 
 SAMPLE_PROMPT = "def "  # the default corpus is Python source

@@ -244,7 +244,7 @@ def _evaluate(run: Run, state, done: int, logger: Logger) -> None:
 
 def _progress(run: Run, step: int, skipped: int = 0) -> dict:
   """What a resume needs besides the arrays: the step, the seed, and where the input stands
-  (`data`: for packed documents, the rows consumed; training/feed.py)."""
+  (`data`: for packed documents, the rows consumed; data/feed.py)."""
   cfg = run.cfg
   progress = {"step": step, "seed": cfg.train.seed, "data_position": step,
               "global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len,

@@ -21,8 +21,9 @@ from shardlab.errors import ConfigError
 from shardlab.models import lm
 from shardlab.sharding import mesh as mesh_lib
 from shardlab.sharding import rules as rules_lib
-from shardlab.training import data, optim, precision
-from shardlab.training import feed as feed_lib
+from shardlab.data import corpus as corpus_lib
+from shardlab.data import feed as feed_lib
+from shardlab.training import optim, precision
 from shardlab.training import state as state_lib
 from shardlab.training import step as step_lib
 
@@ -38,18 +39,18 @@ class Run:
   shardings: state_lib.Shardings
   train_step: object  # jitted
   eval_step: object
-  corpus: data.Corpus | None
+  corpus: corpus_lib.Corpus | None
   feed: feed_lib.ByteFeed | feed_lib.PackedFeed | None = None
   start: tuple[int, int] = (0, 0)  # (first step, its data position): set by `inputs`
 
   def batch(self, tokens: np.ndarray, seed: int, step: int) -> jax.Array:
     t = self.cfg.train
-    return data.global_batch(tokens, seed, step, t.global_batch, t.seq_len,
+    return corpus_lib.global_batch(tokens, seed, step, t.global_batch, t.seq_len,
                              self.shardings.batch)
 
   def _rows(self) -> tuple[int, int]:
     t = self.cfg.train
-    return data.process_rows(self.shardings.batch, (t.global_batch, t.seq_len + 1))
+    return corpus_lib.process_rows(self.shardings.batch, (t.global_batch, t.seq_len + 1))
 
   def held_out_loss(self, params) -> float:
     """Mean loss over train.eval_batches held-out batches (the same ones at every call)."""
@@ -175,8 +176,8 @@ def make_steps(cfg: Config, abstract: state_lib.Abstract, shardings_: state_lib.
 def setup(cfg: Config, with_data: bool = True, devices=None) -> Run:
   """Validates the config against the devices and data, and builds the sharded steps."""
   bytes_data = with_data and not feed_lib.is_packed(cfg.data)
-  if bytes_data and cfg.model.vocab_size < data.VOCAB:
-    raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) must be >= {data.VOCAB} "
+  if bytes_data and cfg.model.vocab_size < corpus_lib.VOCAB:
+    raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) must be >= {corpus_lib.VOCAB} "
                       f"for byte-level text data")
   if cfg.train.seq_len > cfg.model.max_seq_len:
     raise ConfigError(f"train.seq_len ({cfg.train.seq_len}) exceeds model.max_seq_len "

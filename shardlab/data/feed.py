@@ -2,9 +2,9 @@
 checkpoint), held-out batches, and a background prefetcher.
 
 Two kinds, picked by the data config (`feed(...)`):
-  ByteFeed    the byte-level default (training/data.py): random windows, a pure function of
+  ByteFeed    the byte-level default (data/corpus.py): random windows, a pure function of
               (seed, step); its position is the step.
-  PackedFeed  tokenized documents packed into rows (training/packing.py), read in an order
+  PackedFeed  tokenized documents packed into rows (data/packing.py), read in an order
               shuffled per epoch from the seed; its position is the number of rows consumed,
               saved in the checkpoint's progress so a resume continues exactly there (also
               when train.global_batch changed under --allow-config-change).
@@ -23,8 +23,8 @@ import numpy as np
 
 from shardlab.config import DataConfig
 from shardlab.errors import ConfigError
-from shardlab.training import data, packing, tokens
-from shardlab.training import tokenizer as tokenizer_lib
+from shardlab.data import corpus as corpus_lib, packing, tokens
+from shardlab.data import tokenizer as tokenizer_lib
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out batches never share a seed with training batches
 
@@ -45,7 +45,7 @@ def place(local, sharding, global_rows: int):
 class ByteFeed:
   kind, unit = "bytes", "byte"
 
-  def __init__(self, corpus: data.Corpus, seed: int, global_batch: int, seq_len: int):
+  def __init__(self, corpus: corpus_lib.Corpus, seed: int, global_batch: int, seq_len: int):
     self.corpus, self.seed, self.batch_rows, self.seq_len = corpus, seed, global_batch, seq_len
     self.tokenizer = tokenizer_lib.ByteTokenizer()
 
@@ -56,10 +56,10 @@ class ByteFeed:
     return position + 1
 
   def host(self, position: int, rows: tuple[int, int]) -> np.ndarray:
-    return data.rows(self.corpus.train, self.seed, position, self.batch_rows, self.seq_len, rows)
+    return corpus_lib.rows(self.corpus.train, self.seed, position, self.batch_rows, self.seq_len, rows)
 
   def held_out(self, i: int, rows: tuple[int, int]) -> np.ndarray:
-    return data.rows(self.corpus.held_out, self.seed + EVAL_SEED_OFFSET, i, self.batch_rows,
+    return corpus_lib.rows(self.corpus.held_out, self.seed + EVAL_SEED_OFFSET, i, self.batch_rows,
                      self.seq_len, rows)
 
   def state(self, position: int) -> dict:
@@ -148,7 +148,7 @@ def _splits(cfg: DataConfig, say):
   tok = tokenizer_lib.load(cfg.tokenizer)
   if cfg.corpus.endswith(tokens.TOKEN_FILES):
     return tokens.read_token_file(cfg.corpus, tok, cfg.held_out_fraction), tok, cfg.corpus
-  files, source = (data._files(cfg) if cfg.corpus == "stdlib" else (None, cfg.corpus))
+  files, source = (corpus_lib._files(cfg) if cfg.corpus == "stdlib" else (None, cfg.corpus))
   docs = tokens.documents(cfg.corpus, cfg.text_field, cfg.max_bytes, files)
   writers = tokens.tokenize(docs, cfg.tokenizer, cfg.held_out_fraction, workers=0,
                             say=say)
@@ -158,7 +158,7 @@ def _splits(cfg: DataConfig, say):
 def feed(cfg: DataConfig, seed: int, global_batch: int, seq_len: int, say=None):
   if is_packed(cfg):
     return PackedFeed(cfg, seed, global_batch, seq_len, say)
-  return ByteFeed(data.load(cfg, seq_len), seed, global_batch, seq_len)
+  return ByteFeed(corpus_lib.load(cfg, seq_len), seed, global_batch, seq_len)
 
 
 class Prefetcher:

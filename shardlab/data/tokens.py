@@ -23,7 +23,7 @@ from typing import Iterator
 import numpy as np
 
 from shardlab.errors import ConfigError
-from shardlab.training import tokenizer as tokenizer_lib
+from shardlab.data import tokenizer as tokenizer_lib
 
 INDEX = "index.json"
 SPLITS = ("train", "held_out")
