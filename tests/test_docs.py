@@ -27,3 +27,14 @@ def test_parallel_building_blocks_run_as_written(capsys):
   assert ns["one"][-1] < ns["one"][0]
   assert abs(float(ns["whole"]) - float(ns["chunked"])) < 1e-5
   assert ns["y"].shape == (2, 8, 32)
+
+
+def test_lora_for_any_module_runs_as_written(capsys):
+  ns = run_doc("lora.md")
+  out = capsys.readouterr().out
+  losses = [float(v) for v in out.split("loss ")[1].splitlines()[0].split()]
+  assert losses[-1] < losses[0]
+  assert "merged matches: True" in out
+  trained = out.split("trained: ")[1].splitlines()[0]
+  assert "lora_a" in trained and "base" not in trained
+  assert ns["merged"] is not None

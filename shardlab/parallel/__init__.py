@@ -19,6 +19,7 @@ from shardlab.parallel.dispatch import MODES as DISPATCH_MODES, run as experts
 from shardlab.parallel.dot import einsum
 from shardlab.parallel.early_grads import reduce_grads_early
 from shardlab.parallel.flash import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
+from shardlab.parallel.adapters import LoraWeight, add_lora, lora_einsum, lora_frozen, merge_lora
 from shardlab.parallel.lora import PREFIX as LORA_PREFIX, Adapter, adapter_rngs
 from shardlab.parallel.lora import maybe as lora_adapter, project as lora_project
 from shardlab.parallel.loss import cross_entropy
@@ -35,4 +36,5 @@ __all__ = [
     "constrain", "cross_entropy", "current", "document_positions", "einsum", "experts",
     "is_context_parallel", "lora_adapter", "lora_project", "param", "platform", "reduce_grads_early", "route", "router_stats", "scan", "scan_layers",
     "stacked_param", "step_context", "swiglu", "zigzag",
+    "LoraWeight", "add_lora", "lora_einsum", "lora_frozen", "merge_lora",
 ]
