@@ -12,14 +12,15 @@ are built from these names only.
 See docs/your-model.md for each with a runnable snippet.
 """
 
+from shardlab.parallel.adapters import LoraWeight, add_lora, lora_einsum, lora_frozen, merge_lora
 from shardlab.parallel.attention import attend, attention, causal_mask
 from shardlab.parallel.context import KV_EXCHANGES, document_positions, is_context_parallel
 from shardlab.parallel.context import zigzag
 from shardlab.parallel.dispatch import MODES as DISPATCH_MODES, run as experts
+from shardlab.parallel.dispatch import swiglu_expert
 from shardlab.parallel.dot import einsum
 from shardlab.parallel.early_grads import reduce_grads_early
 from shardlab.parallel.flash import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
-from shardlab.parallel.adapters import LoraWeight, add_lora, lora_einsum, lora_frozen, merge_lora
 from shardlab.parallel.lora import PREFIX as LORA_PREFIX, Adapter, adapter_rngs
 from shardlab.parallel.lora import maybe as lora_adapter, project as lora_project
 from shardlab.parallel.loss import cross_entropy
@@ -27,14 +28,17 @@ from shardlab.parallel.mlp import swiglu
 from shardlab.parallel.names import ACTIVATIONS
 from shardlab.parallel.routing import route, router_stats
 from shardlab.parallel.scan import LAYER_INPUT, REMAT_POLICIES, scan, scan_layers
+from shardlab.parallel.schedule_1f1b import loss as pipeline_1f1b
+from shardlab.parallel.schedule_1f1b import value_and_grads as pipeline_1f1b_grads
 from shardlab.sharding.activations import constrain, current, platform, step_context
 from shardlab.sharding.params import param, stacked_param
 
 __all__ = [
     "ACTIVATIONS", "ATTENTION_IMPLEMENTATIONS", "Adapter", "DISPATCH_MODES", "KV_EXCHANGES",
-    "LAYER_INPUT", "LORA_PREFIX", "REMAT_POLICIES", "adapter_rngs", "attend", "attention", "causal_mask",
-    "constrain", "cross_entropy", "current", "document_positions", "einsum", "experts",
-    "is_context_parallel", "lora_adapter", "lora_project", "param", "platform", "reduce_grads_early", "route", "router_stats", "scan", "scan_layers",
-    "stacked_param", "step_context", "swiglu", "zigzag",
-    "LoraWeight", "add_lora", "lora_einsum", "lora_frozen", "merge_lora",
+    "LAYER_INPUT", "LORA_PREFIX", "LoraWeight", "REMAT_POLICIES", "adapter_rngs", "add_lora",
+    "attend", "attention", "causal_mask", "constrain", "cross_entropy", "current",
+    "document_positions", "einsum", "experts", "is_context_parallel", "lora_adapter",
+    "lora_einsum", "lora_frozen", "lora_project", "merge_lora", "param", "pipeline_1f1b",
+    "pipeline_1f1b_grads", "platform", "reduce_grads_early", "route", "router_stats", "scan",
+    "scan_layers", "stacked_param", "step_context", "swiglu", "swiglu_expert", "zigzag",
 ]
