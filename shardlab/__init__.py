@@ -33,6 +33,7 @@ _API = {
     "Config": ("shardlab.config", "Config"),
     "setup": ("shardlab.training.run", "setup"),
     "auto_layout": ("shardlab.plan.auto_layout", "auto_layout"),
+    "plan_module": ("shardlab.plan.module", "plan_module"),
     "ConfigError": ("shardlab.errors", "ConfigError"),
 }
 

@@ -25,3 +25,9 @@ def reset_compilation_cache() -> None:
   """Forgets the persistent compilation cache's settings, so a change to
   jax_enable_compilation_cache takes effect in this process."""
   _private("compilation_cache").reset_cache()
+
+
+def source_line(eqn) -> str:
+  """The file:line (function) a jaxpr equation was traced from, as
+  jax.ad_checkpoint.print_saved_residuals names it: no public accessor."""
+  return _private("source_info_util").summarize(eqn.source_info)
