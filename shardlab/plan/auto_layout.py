@@ -17,6 +17,7 @@ from shardlab.errors import ConfigError
 from shardlab.observe import throughput
 from shardlab.plan import aot
 from shardlab.plan import auto
+from shardlab.plan import auto_module
 from shardlab.plan.estimate import Request
 from shardlab.runtime import hardware
 from shardlab.sharding import mesh as mesh_lib
@@ -71,11 +72,18 @@ def request(cfg: Config, n_devices: int, precision: str) -> Request:
 def auto_layout(cfg: Config, devices=None, target: str | None = None,
                 n_devices: int | None = None, top_k: int = 4, budget_s: float = 600.0,
                 memory_options: bool = False, vary_microbatches: bool = True,
-                say=lambda text: print(text, file=sys.stderr, flush=True)) -> auto.Choice:
+                say=lambda text: print(text, file=sys.stderr, flush=True),
+                **module_options) -> auto.Choice:
   """The fastest layout that fits, for `cfg` with strategy and/or mesh "auto" (a fixed one
   is kept). On `devices` (default: every attached one) unless `target` and `n_devices` plan
   for hardware that is not attached: then the target's TPU topology when libtpu is
-  installed, else as many simulated CPU devices."""
+  installed, else as many simulated CPU devices. A module factory instead of `cfg` searches
+  for any module (shardlab.plan.auto_module: optimizer=, batch=, loss_fn=, ...)."""
+  if not isinstance(cfg, Config):
+    return _for_module(cfg, devices, target, n_devices, top_k, say, module_options)
+  if module_options:
+    raise ConfigError(f"auto_layout: {sorted(module_options)} apply to a module factory, "
+                      f"not to a run Config")
   if cfg.strategy != AUTO:
     rules_lib.strategy(cfg.strategy, cfg.rules)
   planning = target is not None and n_devices is not None and devices is None
@@ -101,6 +109,15 @@ def auto_layout(cfg: Config, devices=None, target: str | None = None,
       mesh=None if cfg.mesh == AUTO else cfg.mesh, memory_options=memory_options,
       vary_microbatches=vary_microbatches, top_k=top_k, budget_s=budget_s, say=say)
   return _agreed(choice)
+
+
+def _for_module(factory, devices, target, n_devices, top_k, say, options):
+  if target is not None or n_devices is not None:
+    raise ConfigError("auto_layout of a module factory searches the attached devices; "
+                      "target= and n_devices= apply to a run Config only")
+  devices = list(devices if devices is not None else jax.devices())
+  return auto_module.auto_layout_module(factory, attached_target(devices), devices,
+                                        top_k=top_k, say=say, **options)
 
 
 def _backend(acc: hardware.Accelerator, devices, planning: bool) -> str:
