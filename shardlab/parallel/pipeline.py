@@ -56,20 +56,60 @@ def stages(n_layers: int):
 
 
 def check(n_layers: int, n_stages: int, repeats: int, microbatches: int,
-          batch: int | None = None):
-  """Clear errors for a schedule the model (and batch, when given) cannot follow."""
+          batch: int | None = None, batch_name: str = "the batch"):
+  """Clear errors for a schedule the model (and batch, when given) cannot follow. A run
+  checks them when it is set up (shardlab/training/checks.py); `run` again while tracing."""
   if n_layers % (n_stages * repeats):
     raise ConfigError(
         f"model.n_layers ({n_layers}) must be divisible by the pipeline stages × "
         f"train.pipeline_repeats ({n_stages} × {repeats} = {n_stages * repeats}); change the "
         f"`stage` mesh axis or train.pipeline_repeats")
-  if batch is not None and batch % microbatches:
-    raise ConfigError(f"the batch ({batch} rows) must be divisible by train.microbatches "
-                      f"({microbatches}), the pipeline's microbatches")
+  if batch is not None:
+    check_microbatches(batch, microbatches, batch_name)
   if repeats > 1 and microbatches < n_stages:
     raise ConfigError(
         f"a circular pipeline (train.pipeline_repeats={repeats}) needs train.microbatches "
-        f">= the stages ({n_stages}), got {microbatches}")
+        f">= the stages ({n_stages}), got {microbatches}; raise train.microbatches to "
+        f"{n_stages} or more, or set train.pipeline_repeats=1 (GPipe)")
+
+
+def check_microbatches(batch: int, microbatches: int, name: str = "the batch") -> None:
+  """The one rule for splitting a batch into microbatches, a pipeline's or a gradient
+  accumulation's; `name` is what the user calls the batch size."""
+  if microbatches < 1 or batch % microbatches:
+    raise ConfigError(f"{name} ({batch}) must be divisible by train.microbatches "
+                      f"({microbatches})")
+
+
+def check_combination(n_stages: int, *, remat: str = "none", offload: str = "none",
+                      layer_stats: str | None = None, context: int = 1) -> None:
+  """Clear errors for what does not run inside a pipeline of `n_stages` stages. A run checks
+  them when it is set up (shardlab/training/checks.py), before anything is traced; the layer
+  scan checks what it sees again while tracing, for modules stepped without that setup.
+  `layer_stats`: who returns per-layer statistics (named in the message), None if nothing
+  does; `context`: the context-parallel degree."""
+  where = f"a pipeline (stage {n_stages}: `layers` split over the `stage` mesh axis)"
+  off = ("turn the pipeline off (a mesh without a `stage` axis above 1, or "
+         "rules.params.layers=none and rules.activations.layers=none)")
+  if remat == "offload":  # XLA:CPU aborts compiling host transfers in the pipeline loop
+    raise ConfigError(f"train.remat=offload does not run in {where}: XLA aborts compiling "
+                      f"host transfers inside its loop; use train.remat=full (or none, "
+                      f"save-matmul-outputs) there, or {off}")
+  if offload == "opt_state":  # XLA:CPU aborts compiling it (an invalid copy instruction)
+    raise ConfigError(f"train.offload=opt_state does not run with {where}: XLA aborts "
+                      f"compiling its host transfers there; use train.offload=none, or {off}")
+  if layer_stats is not None:
+    # The schedule carries activations only; and MoE's expert dispatch is a shard_map of
+    # its own, which does not nest in the pipeline's either.
+    raise ConfigError(f"{layer_stats} return statistics (such as MoE router losses) that "
+                      f"{where} does not carry; {off}")
+  if context > 1:
+    # Attention's shard_map over `context` does not lower nested in the pipeline's over
+    # `stage` (its mesh differs; with the stage-manual mesh Shardy rejects the operand
+    # shardings).
+    raise ConfigError(f"{where} does not run with context parallelism (context {context}: "
+                      f"`length` split over the `context` mesh axis); use one or the other: "
+                      f"set the mesh's `stage` or `context` axis to 1")
 
 
 def bubble(n_stages: int, microbatches: int, repeats: int = 1) -> float:

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
-from shardlab.errors import ConfigError, unknown
-from shardlab.parallel import pipeline
+from shardlab.errors import unknown
+from shardlab.parallel import context, pipeline
 from shardlab.sharding.activations import pipeline_schedule, scan_unroll
 
 LAYER_INPUT = "layer_input"  # the checkpoint_name of a layer's input (remat "offload")
@@ -76,13 +76,11 @@ def scan(layers: nnx.Module, x, args: tuple, call: Call, remat: str = "none",
 
 
 def _pipelined(graphdef, stacked, x, args, call: Call, remat: str, where, stats):
-  if stats is not None:
-    raise ConfigError("this model's layers return statistics (e.g. MoE router losses), which "
-                      "a pipeline does not carry: map `layers` to no mesh axis (no `stage` "
-                      "axis above 1) for it")
-  if remat == "offload":  # XLA:CPU aborts compiling host transfers in the pipeline loop
-    raise ConfigError("train.remat=offload does not run in a pipeline (layers split over "
-                      "`stage`); use train.remat=full there")
+  # A run set up from a config refused these before tracing (shardlab/training/checks.py);
+  # a module stepped by hand meets the same errors here.
+  cp = context.split(context.RESIDUAL, x.shape)
+  pipeline.check_combination(where[2], remat=remat, context=1 if cp is None else cp[3],
+                             layer_stats=None if stats is None else "this model's layers")
 
   def stage_layer(h, layer_state, layer_args):
     return call(nnx.merge(graphdef, layer_state), h, layer_args, None)[0]

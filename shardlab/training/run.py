@@ -23,7 +23,7 @@ from shardlab.sharding import mesh as mesh_lib
 from shardlab.sharding import rules as rules_lib
 from shardlab.data import corpus as corpus_lib
 from shardlab.data import feed as feed_lib
-from shardlab.training import optim, precision
+from shardlab.training import checks, optim, precision
 from shardlab.training import state as state_lib
 from shardlab.training import step as step_lib
 
@@ -157,6 +157,7 @@ def abstract_inputs(abstract: state_lib.Abstract, shardings_: state_lib.Sharding
 
 def make_steps(cfg: Config, abstract: state_lib.Abstract, shardings_: state_lib.Shardings):
   """(train_step, eval_step), jitted with the run's shardings."""
+  checks.check_pipeline(cfg, shardings_.rules, shardings_.mesh)
   step_lib.check_batch(cfg.train.global_batch, cfg.train.microbatches, shardings_)
   loss = loss_fn(cfg)
   return (step_lib.make_train_step(loss, abstract, shardings_,
@@ -175,22 +176,15 @@ def make_steps(cfg: Config, abstract: state_lib.Abstract, shardings_: state_lib.
 
 def setup(cfg: Config, with_data: bool = True, devices=None) -> Run:
   """Validates the config against the devices and data, and builds the sharded steps."""
-  bytes_data = with_data and not feed_lib.is_packed(cfg.data)
-  if bytes_data and cfg.model.vocab_size < corpus_lib.VOCAB:
-    raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) must be >= {corpus_lib.VOCAB} "
-                      f"for byte-level text data")
-  if cfg.train.seq_len > cfg.model.max_seq_len:
-    raise ConfigError(f"train.seq_len ({cfg.train.seq_len}) exceeds model.max_seq_len "
-                      f"({cfg.model.max_seq_len})")
-  rules_lib.strategy(cfg.strategy, cfg.rules)  # a bad strategy fails before the mesh
+  checks.check_model_fits(cfg, with_data and not feed_lib.is_packed(cfg.data))
+  rules = rules_lib.strategy(cfg.strategy, cfg.rules)  # a bad strategy fails before the mesh
   mesh = mesh_lib.build(mesh_lib.load(cfg.mesh), devices=devices)
+  # What the layout cannot combine fails here, before the data, the abstract state or the
+  # steps are built (make_steps repeats it for callers that build steps without setup).
+  checks.check_pipeline(cfg, rules, mesh)
   t = cfg.train
   feed = feed_lib.feed(cfg.data, t.seed, t.global_batch, t.seq_len) if with_data else None
-  if feed is not None and feed.tokenizer.vocab_size > cfg.model.vocab_size:
-    raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the "
-                      f"vocabulary of data.tokenizer {feed.tokenizer.spec!r} "
-                      f"({feed.tokenizer.vocab_size}); use a model with vocab_size >= "
-                      f"{feed.tokenizer.vocab_size}")
+  checks.check_tokenizer_fits(cfg, feed)
   abstract = abstract_state(cfg)
   shardings_ = shardings(cfg, abstract, mesh, offload=True)
   train_step, eval_step = make_steps(cfg, abstract, shardings_)

@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardlab.errors import ConfigError, unknown
+from shardlab.parallel import pipeline
 from shardlab.sharding import rules as rules_lib
 from shardlab.sharding.activations import activation_rules
 from shardlab.training import precision
@@ -36,9 +37,7 @@ def check_batch(global_batch: int, microbatches: int, shardings: Shardings,
   is what the user calls the batch size."""
   shards = batch_shards(shardings)
   axes = "×".join(a for a in shardings.rules.batch_axes if a in shardings.mesh.shape)
-  if microbatches < 1 or global_batch % microbatches:
-    raise ConfigError(f"{name} ({global_batch}) must be divisible by the number of "
-                      f"microbatches ({microbatches})")
+  pipeline.check_microbatches(global_batch, microbatches, name)
   micro = global_batch // microbatches
   if micro % shards:
     what = (f"{name} ({global_batch})" if microbatches == 1
@@ -130,10 +129,9 @@ def pipeline_split(shardings: Shardings, microbatches: int, repeats: int = 1):
 def _check_options(nonfinite: str, shardings: Shardings) -> None:
   if nonfinite not in NONFINITE_POLICIES:
     raise unknown("train.nonfinite", nonfinite, NONFINITE_POLICIES)
-  if shardings.offloaded and rules_lib.pipeline_stages(shardings.rules, shardings.mesh) > 1:
-    # XLA:CPU aborts compiling it (an invalid copy instruction); refused rather than risked.
-    raise ConfigError("train.offload=opt_state does not run with a pipeline (layers split "
-                      "over `stage`); use train.offload=none there")
+  stages = rules_lib.pipeline_stages(shardings.rules, shardings.mesh)
+  if stages > 1:  # a run from a config met this at setup (training/checks.py) already
+    pipeline.check_combination(stages, offload="opt_state" if shardings.offloaded else "none")
 
 
 def make_train_step(loss_fn: LossFn, abstract: Abstract, shardings: Shardings, *,
