@@ -6,6 +6,8 @@ shardlab.observe.hlo.
 
 import dataclasses
 import functools
+import importlib.util
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -235,3 +237,14 @@ def model_logits(params, m, r, abstract, sh, tokens) -> np.ndarray:
     with activation_rules(m, r):
       return nnx.merge(abstract.graphdef, p)(t)
   return np.asarray(jax.jit(forward, in_shardings=(sh.state.params, sh.batch))(params, tokens))
+
+
+@functools.cache
+def mixer():
+  """examples/mixer.py as a module (examples/ is no package): the user's own module the
+  toolkit tests run."""
+  path = Path(__file__).resolve().parents[1] / "examples" / "mixer.py"
+  spec = importlib.util.spec_from_file_location("mixer", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module

@@ -1,9 +1,6 @@
 """`sl.auto_layout` on a module shardlab does not know (examples/mixer.py's Mixer): candidates
 estimated by plan_module, the best compiled, the fastest by roofline chosen and trained."""
 
-import importlib.util
-from pathlib import Path
-
 import jax
 import numpy as np
 import optax
@@ -14,18 +11,8 @@ import helpers as H
 import shardlab as sl
 from shardlab.plan import auto, auto_layout, auto_module
 
-ROOT = Path(__file__).resolve().parents[1]
 quiet = lambda text: None
-
-
-def _load_mixer():
-  spec = importlib.util.spec_from_file_location("mixer", ROOT / "examples" / "mixer.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-mixer = _load_mixer()
+mixer = H.mixer()
 BATCH = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), mixer.make_batch(0, 64))
 
 

@@ -51,11 +51,9 @@ def imports(name: str, path: pathlib.Path, known) -> set[str]:
       base = node.module or ""
       if node.level:
         base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + [base])
-      targets = [f"{base}.{a.name}" for a in node.names]
-      # `from package import submodule` depends on the submodule; a name defined in (or
-      # re-exported by) the package depends on the package itself.
-      if any(t not in known for t in targets):
-        targets.append(base)
+      # `from package import submodule` runs the package's __init__ first: it depends on
+      # both (a package that imports its submodules then closes a cycle).
+      targets = [f"{base}.{a.name}" for a in node.names] + [base]
     else:
       continue
     for target in targets:

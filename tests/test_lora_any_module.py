@@ -5,8 +5,6 @@ A and B shard like their weight, and merging gives the base tree computing the s
 """
 
 import functools
-import importlib.util
-from pathlib import Path
 
 import jax
 import jax.extend
@@ -108,15 +106,7 @@ def at(tree, path):
   return tree
 
 
-def _load_mixer():
-  path = Path(__file__).resolve().parents[1] / "examples" / "mixer.py"
-  spec = importlib.util.spec_from_file_location("mixer", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-mixer = _load_mixer()
+mixer = H.mixer()
 MIXER_TARGETS = ("stem", r"blocks/\d+/(tok|ch)[12]")
 
 

@@ -4,7 +4,6 @@ CPU devices: the state bytes exactly, the total within 15%, activations that fol
 batch and the module's remat, and no compile needed."""
 
 import functools
-import importlib.util
 import re
 from pathlib import Path
 
@@ -14,20 +13,14 @@ import optax
 import pytest
 from flax import nnx
 
+import helpers as H
 import shardlab as sl
 
 ROOT = Path(__file__).resolve().parents[1]
 MESH = "data:2,fsdp:2,tensor:2"
 
 
-def _load_example():
-  spec = importlib.util.spec_from_file_location("mixer", ROOT / "examples" / "mixer.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-mixer = _load_example()
+mixer = H.mixer()
 VOCAB, SEQ = 128, 32
 
 

@@ -22,14 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
 
 
-def _load_example():
-  spec = importlib.util.spec_from_file_location("mixer", ROOT / "examples" / "mixer.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-mixer = _load_example()
+mixer = H.mixer()
 
 
 @functools.cache

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardlab.errors import ConfigError
-from shardlab.parallel import dot
+import shardlab.parallel.dot as dot
 from shardlab.parallel.lora import RANK_AXIS, adapter_rngs
 from shardlab.sharding.params import param
 

@@ -23,7 +23,8 @@ head, E head_dim, S cache length.
 import jax
 import jax.numpy as jnp
 
-from shardlab.parallel import context, flash
+import shardlab.parallel.context as context
+import shardlab.parallel.flash as flash
 from shardlab.parallel.names import ACTIVATIONS
 from shardlab.parallel.softmax import softmax_attention
 from shardlab.sharding.activations import constrain, platform

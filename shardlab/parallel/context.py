@@ -24,7 +24,8 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from shardlab.errors import ConfigError, unknown
-from shardlab.parallel import flash, ring
+import shardlab.parallel.flash as flash
+import shardlab.parallel.ring as ring
 from shardlab.parallel.names import KEYS_VALUES, QUERIES
 from shardlab.sharding import activations
 

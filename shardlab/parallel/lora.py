@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardlab.parallel import dot
+import shardlab.parallel.dot as dot
 from shardlab.sharding.params import stacked_param
 
 RANK_AXIS = "lora_rank"

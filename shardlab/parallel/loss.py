@@ -7,7 +7,7 @@ Shape suffixes: B batch, L length, C chunk, D d_model, V vocab.
 import jax
 import jax.numpy as jnp
 
-from shardlab.parallel import dot
+import shardlab.parallel.dot as dot
 from shardlab.parallel.early_grads import reduce_grads_early
 from shardlab.parallel.names import ACTIVATIONS
 from shardlab.sharding.activations import constrain

@@ -15,7 +15,8 @@ from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
 from shardlab.errors import unknown
-from shardlab.parallel import context, pipeline
+import shardlab.parallel.context as context
+import shardlab.parallel.pipeline as pipeline
 from shardlab.sharding.activations import pipeline_schedule, scan_unroll
 
 LAYER_INPUT = "layer_input"  # the checkpoint_name of a layer's input (remat "offload")

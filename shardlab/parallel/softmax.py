@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from shardlab.parallel import dot
+import shardlab.parallel.dot as dot
 
 
 def cap(scores, softcap: float | None):
