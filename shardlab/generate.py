@@ -26,7 +26,6 @@ from shardlab.config import Config
 from shardlab.errors import ConfigError
 from shardlab.models import registry
 from shardlab.observe.serving import ServingReport
-from shardlab.sharding import mesh as mesh_lib
 from shardlab.sharding import rules as rules_lib
 from shardlab.sharding.activations import activation_rules
 from shardlab.data import corpus as corpus_lib
@@ -289,11 +288,9 @@ def from_checkpoint(directory: str, mesh: str | None = None, strategy: str | Non
   def read(restore, step):
     cfg = registry.run_config_from_dict(restore("config"))
     cfg = dataclasses.replace(cfg, mesh=mesh or cfg.mesh, strategy=strategy or cfg.strategy)
-    device_mesh = mesh_lib.build(mesh_lib.load(cfg.mesh))
-    abstract = run_lib.abstract_state(cfg)
-    sh = run_lib.shardings(cfg, abstract, device_mesh)
-    params = restore("params", abstract.state.params, sh.state.params)
-    return Generator(cfg, abstract, sh, prefill_chunk), params, cfg
+    p = run_lib.place(cfg)
+    params = restore("params", p.abstract.state.params, p.shardings.state.params)
+    return Generator(cfg, p.abstract, p.shardings, prefill_chunk), params, cfg
 
   (gen, params, cfg), step = checkpoint.restore_newest(
       directory, read, "--strict" if strict else None, warn)

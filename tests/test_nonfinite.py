@@ -13,6 +13,7 @@ from shardlab.cli import train as train_cli
 from shardlab.models import lm
 from shardlab.sharding import mesh
 from shardlab.training import checkpoint, step as step_lib
+from shardlab.training import nonfinite
 from shardlab.training import run as run_lib
 from test_checkpoint import SMALL, final_params, small_config
 
@@ -32,8 +33,8 @@ def test_stop_policy_exits_3_and_keeps_the_last_finite_checkpoint(tmp_path, caps
                                                                     monkeypatch):
   # keep=2 and a save every 2 steps: without the guard, retention would keep only the NaN
   # checkpoints 6 and 8. The check before the save at 6 catches step 5 (no log there).
-  fetched, fetch = [], run_lib.NonFiniteGuard.fetch
-  monkeypatch.setattr(run_lib.NonFiniteGuard, "fetch",
+  fetched, fetch = [], nonfinite.NonFiniteGuard.fetch
+  monkeypatch.setattr(nonfinite.NonFiniteGuard, "fetch",
                       lambda self: fetched.append(fetch(self)["step"]) or fetch(self))
   directory = tmp_path / "ckpt"
   rc = train_cli.train_main(train_cli_args(

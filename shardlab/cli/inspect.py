@@ -13,10 +13,7 @@ from shardlab.cli.args import load_config, setup_devices
 from shardlab.errors import ConfigError
 from shardlab.observe import progress, step_report
 from shardlab.plan import inspect as inspect_state
-from shardlab.plan import planner
-from shardlab.sharding import mesh as mesh_lib
 from shardlab.training import run as run_lib
-from shardlab.training import state as state_lib
 
 
 def inspect_parser(prog: str = "shardlab inspect") -> argparse.ArgumentParser:
@@ -43,29 +40,23 @@ def build(model: str, mesh: str, strategy: str, overrides: list[str],
           devices: int | None = None):
   """(cfg, abstract, shardings) on an abstract mesh: no device memory is used."""
   cfg = load_config(model, mesh, strategy, overrides)
-  spec = mesh_lib.load(cfg.mesh)
-  if any(s == -1 for part in (spec.ici, spec.dcn) for s in part.values()):
-    spec = spec.resolve(jax.device_count() if devices is None else devices)
-  elif devices is not None:
-    spec = spec.resolve(devices)
-  abstract = run_lib.abstract_state(cfg)
-  return cfg, abstract, run_lib.shardings(cfg, abstract, planner.abstract_mesh(spec))
+  p = run_lib.place(cfg, abstract=True, n_devices=devices)
+  return cfg, p.abstract, p.shardings
 
 
-def compiled_collectives(cfg, abstract, sh) -> tuple[list[str], object]:
+def compiled_collectives(cfg, sh) -> tuple[list[str], object]:
   """(report lines, StepReport): the train step compiled over this machine's first devices
   in the shape of `sh`'s mesh."""
   n = int(np.prod(list(sh.mesh.shape.values())))
   if n > jax.device_count():
     raise ConfigError(f"--collectives compiles on this machine's devices: mesh {cfg.mesh!r} "
                       f"needs {n}, there are {jax.device_count()} (pass --simulate-devices {n})")
-  mesh = mesh_lib.build(mesh_lib.load(cfg.mesh), jax.devices()[:n])
-  real = state_lib.shardings(abstract, sh.rules, mesh)
-  train_step = run_lib.make_steps(cfg, abstract, real)[0]
-  args = run_lib.abstract_inputs(abstract, real, cfg)
+  p = run_lib.place(cfg, jax.devices()[:n])
+  train_step = run_lib.make_steps(cfg, p.abstract, p.shardings)[0]
+  args = run_lib.abstract_inputs(p.abstract, p.shardings, cfg)
   with progress.Activity("compiling the train step"):
     compiled = train_step.lower(*args).compile()
-  report = step_report.report(compiled, mesh)
+  report = step_report.report(compiled, p.mesh)
   return step_report.render(report, f"compiled train step on {n} {jax.devices()[0].platform} "
                                     f"device(s), per device"), report
 
@@ -79,7 +70,7 @@ def inspect_main(argv=None, prog: str = "shardlab inspect") -> int:
     cfg, abstract, sh = build(args.model, args.mesh, args.strategy, args.overrides,
                               args.devices)
     lay = inspect_state.layout(cfg, abstract, sh)
-    lines, report = compiled_collectives(cfg, abstract, sh) if args.collectives else ([], None)
+    lines, report = compiled_collectives(cfg, sh) if args.collectives else ([], None)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

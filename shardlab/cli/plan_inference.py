@@ -13,7 +13,6 @@ from shardlab.plan import inference as inf
 from shardlab.plan import inference_compile as inf_compile
 from shardlab.plan import inference_plan
 from shardlab.runtime import devices, hardware, jax_compat
-from shardlab.sharding import mesh as mesh_lib
 from shardlab.training import run as run_lib
 
 GiB = 2**30
@@ -84,9 +83,8 @@ def compile_decode(result: inference_plan.Plan, on: str = "auto") -> dict:
     where = f"tpu {name}"
   else:
     devs, where = _cpu_devices(n), f"cpu x{n}"
-  device_mesh = mesh_lib.build(mesh_lib.load(cfg.mesh), devs)
-  abstract = run_lib.abstract_state(cfg)
-  gen = generate.Generator(cfg, abstract, run_lib.shardings(cfg, abstract, device_mesh))
+  p = run_lib.place(cfg, devs)
+  gen = generate.Generator(cfg, p.abstract, p.shardings)
   report = inf_compile.compile_lowered(gen.lower_decode(req.batch, req.context), where, n,
                                        "tpu" if tpu else "cpu")
   return inf_compile.compare(report, result.estimate)

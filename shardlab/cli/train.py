@@ -18,7 +18,7 @@ from shardlab.observe.progress import Activity
 from shardlab.runtime import distributed
 from shardlab.data import tokenizer as tokenizer_lib
 from shardlab.training import loop
-from shardlab.training.run import NonFiniteError
+from shardlab.training.nonfinite import NonFiniteError
 
 SAMPLE_PROMPT = "def "  # the default corpus is Python source
 

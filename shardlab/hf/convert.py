@@ -21,7 +21,6 @@ from shardlab import config as config_lib
 from shardlab.hf import weights as hf
 from shardlab.hf import config as hf_config
 from shardlab.hf import mixtral
-from shardlab.sharding import mesh as mesh_lib
 from shardlab.models import registry
 from shardlab.parallel import lora
 from shardlab.models.llama_config import LlamaConfig
@@ -29,6 +28,7 @@ from shardlab.training import run as run_lib
 from shardlab.training import state as state_lib
 from shardlab.config import CheckpointConfig, Config, TrainConfig
 from shardlab.errors import ConfigError
+from shardlab.runtime import units
 
 DEFAULT_MESH = "fsdp:-1"
 DEFAULT_STRATEGY = "fsdp"
@@ -37,9 +37,8 @@ T = TypeVar("T")
 
 
 def _placement(cfg: Config) -> tuple[state_lib.Abstract, state_lib.Shardings]:
-  abstract = run_lib.abstract_state(cfg)
-  mesh = mesh_lib.build(mesh_lib.load(cfg.mesh))
-  return abstract, run_lib.shardings(cfg, abstract, mesh)
+  p = run_lib.place(cfg)
+  return p.abstract, p.shardings
 
 
 def hf_model_config(hf_dir: str | Path) -> LlamaConfig:
@@ -83,7 +82,7 @@ def import_checkpoint(hf_dir: str | Path, out_dir: str | Path, mesh: str = DEFAU
 
 def export_checkpoint(ckpt_dir: str | Path, hf_dir: str | Path, mesh: str = DEFAULT_MESH,
                       strategy: str = DEFAULT_STRATEGY, dtype: str = "auto",
-                      max_shard_bytes: int = 4 * 2**30, overwrite: bool = False,
+                      max_shard_bytes: int = 4 * units.GiB, overwrite: bool = False,
                       tokenizer_from: str | Path | None = None, strict: bool = False,
                       merge_lora: bool = False) -> tuple[list[Path], list[str]]:
   """Writes the newest intact checkpoint in `ckpt_dir` (a damaged newer step is skipped with

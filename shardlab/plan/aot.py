@@ -27,8 +27,6 @@ from shardlab.errors import ConfigError
 from shardlab.models import registry
 from shardlab.observe import hlo, hlo_flops
 from shardlab.runtime import jax_compat
-from shardlab.sharding import mesh as mesh_lib
-from shardlab.sharding import rules as rules_lib
 from shardlab.training import run as run_lib
 from shardlab.training import state as state_lib
 
@@ -109,13 +107,10 @@ def compile_step(cfg: Config, devices, where: str, dump: str | None = None) -> C
   if cfg.train.precision == "auto":
     raise ConfigError("train.precision must be explicit for an AOT compile (not 'auto', "
                       "which depends on the backend this process runs on)")
-  rules = rules_lib.strategy(cfg.strategy, cfg.rules)
-  mesh = mesh_lib.build(mesh_lib.load(cfg.mesh), devices)
-  abstract = run_lib.abstract_state(cfg)
-  sh = state_lib.shardings(abstract, rules, mesh, cfg.train.offload)
-  train_step = run_lib.make_steps(cfg, abstract, sh)[0]
-  return compile_train_step(train_step, abstract, sh, run_lib.abstract_batch(cfg, sh), where,
-                            dump)
+  p = run_lib.place(cfg, devices, offload=True)
+  train_step = run_lib.make_steps(cfg, p.abstract, p.shardings)[0]
+  return compile_train_step(train_step, p.abstract, p.shardings,
+                            run_lib.abstract_batch(cfg, p.shardings), where, dump)
 
 
 def compile_train_step(train_step, abstract: state_lib.Abstract,

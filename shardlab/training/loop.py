@@ -11,11 +11,11 @@ from shardlab.errors import ConfigError
 from shardlab.observe import plots, profiling, step_report, throughput
 from shardlab.observe.progress import Activity, Progress
 from shardlab.runtime import distributed
-from shardlab.sharding import mesh as mesh_lib
 from shardlab.training import checkpoint, schedule
 from shardlab.training.preemption import StopRequest
 from shardlab.training.reporting import Logger, RunPaths, run_paths
-from shardlab.training.run import NonFiniteGuard, Run, completed, init, last_good
+from shardlab.training.nonfinite import NonFiniteGuard, last_good
+from shardlab.training.run import Run, completed, init
 from shardlab.training.run import resume_check, setup
 
 # (run) -> params, for `checkpoint.init_from` values with a prefix (the CLI adds "hf:").
@@ -27,7 +27,7 @@ def describe(run: Run) -> str:
   shape = ", ".join(f"{k} {v}" for k, v in m.axis_sizes().items() if k != "vocab")
   return "\n".join([
       f"model    {m.name} ({m.arch}): {m.n_params / 1e6:,.2f}M params, {shape}",
-      f"mesh     {cfg.mesh}: {mesh_lib.load(cfg.mesh).resolve(run.mesh.size).describe()} on "
+      f"mesh     {cfg.mesh}: {run.placement.spec.describe()} on "
       f"{run.mesh.size} {jax.devices()[0].platform} device(s)" +
       (f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""),
       f"strategy {cfg.strategy}   precision {run.abstract.policy.name}   optimizer "

@@ -1,22 +1,21 @@
 """A language-model run built from a Config: mesh, rules, abstract state, shardings, the
 jitted steps and the data. `setup(cfg)` wires a bundled model (its config dataclass is
 `cfg.model`, keeping the contract of models/protocol.py); your own module goes through the
-`abstract_state` / `shardings` / `init` / `train_step` API directly. Also here: the guard
-against non-finite steps (train.nonfinite) and the config check of a resume.
+`abstract_state` / `shardings` / `init` / `train_step` API directly; `place(cfg)` is the
+one path from a Config to a placed abstract state. Also here: the config check of a resume
+(the non-finite guard is training/nonfinite.py's).
 """
 
 import dataclasses
-import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from shardlab import config as config_lib
-from shardlab.config import Config, TrainConfig
+from shardlab.config import Config
 from shardlab.errors import ConfigError
 from shardlab.models import lm
 from shardlab.sharding import mesh as mesh_lib
@@ -34,14 +33,24 @@ EVAL_SEED_OFFSET = feed_lib.EVAL_SEED_OFFSET
 class Run:
   """Everything built for a run, before any step is taken."""
   cfg: Config
-  mesh: jax.sharding.Mesh
-  abstract: state_lib.Abstract
-  shardings: state_lib.Shardings
+  placement: "Placement"
   train_step: object  # jitted
   eval_step: object
   corpus: corpus_lib.Corpus | None
   feed: feed_lib.ByteFeed | feed_lib.PackedFeed | None = None
   start: tuple[int, int] = (0, 0)  # (first step, its data position): set by `inputs`
+
+  @property
+  def mesh(self) -> jax.sharding.Mesh:
+    return self.placement.mesh
+
+  @property
+  def abstract(self) -> state_lib.Abstract:
+    return self.placement.abstract
+
+  @property
+  def shardings(self) -> state_lib.Shardings:
+    return self.placement.shardings
 
   def batch(self, tokens: np.ndarray, seed: int, step: int) -> jax.Array:
     t = self.cfg.train
@@ -125,6 +134,39 @@ def completed(loaded: dict, initial: dict, abstract: state_lib.Abstract,
   return walk(loaded, initial, frozen, ())
 
 
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """A Config laid out: its mesh (parsed once, here), the abstract state and where each
+  array of it lives. Nothing is allocated."""
+  spec: mesh_lib.MeshSpec  # cfg.mesh parsed and, for a -1 axis, resolved
+  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh
+  abstract: state_lib.Abstract
+  shardings: state_lib.Shardings
+
+
+def place(cfg: Config, devices=None, offload: bool = False, abstract: bool = False,
+          n_devices: int | None = None) -> Placement:
+  """The one path from a Config to a placed abstract state. `devices`: the devices to build
+  the mesh over (default: all of this process's). `abstract`: an AbstractMesh instead, of
+  any size (nothing can be compiled or allocated on it): a -1 axis is filled to `n_devices`
+  (default: this process's device count), a fixed mesh is checked against `n_devices` only
+  when it is given. `offload`: train.offload's placements too (training keeps the state
+  where train.offload says; generation, export and inspection read the weights on the
+  devices)."""
+  rules_lib.strategy(cfg.strategy, cfg.rules)  # a bad strategy fails before the mesh does
+  spec = mesh_lib.load(cfg.mesh)
+  if abstract:
+    if n_devices is not None or any(s == -1 for s in (*spec.ici.values(),
+                                                      *spec.dcn.values())):
+      spec = spec.resolve(jax.device_count() if n_devices is None else n_devices)
+    mesh = jax.sharding.AbstractMesh(tuple(spec.shape.values()), tuple(spec.shape))
+  else:
+    mesh = mesh_lib.build(spec, devices=devices)
+    spec = spec.resolve(mesh.size)
+  abstract = abstract_state(cfg)
+  return Placement(spec, mesh, abstract, shardings(cfg, abstract, mesh, offload))
+
+
 def abstract_state(cfg: Config) -> state_lib.Abstract:
   return state_lib.abstract_state(model_factory(cfg),
                                   optim.make(cfg.train, cfg.model.no_weight_decay),
@@ -178,7 +220,8 @@ def setup(cfg: Config, with_data: bool = True, devices=None) -> Run:
   """Validates the config against the devices and data, and builds the sharded steps."""
   checks.check_model_fits(cfg, with_data and not feed_lib.is_packed(cfg.data))
   rules = rules_lib.strategy(cfg.strategy, cfg.rules)  # a bad strategy fails before the mesh
-  mesh = mesh_lib.build(mesh_lib.load(cfg.mesh), devices=devices)
+  spec = mesh_lib.load(cfg.mesh)
+  mesh = mesh_lib.build(spec, devices=devices)
   # What the layout cannot combine fails here, before the data, the abstract state or the
   # steps are built (make_steps repeats it for callers that build steps without setup).
   checks.check_pipeline(cfg, rules, mesh)
@@ -186,75 +229,14 @@ def setup(cfg: Config, with_data: bool = True, devices=None) -> Run:
   feed = feed_lib.feed(cfg.data, t.seed, t.global_batch, t.seq_len) if with_data else None
   checks.check_tokenizer_fits(cfg, feed)
   abstract = abstract_state(cfg)
-  shardings_ = shardings(cfg, abstract, mesh, offload=True)
-  train_step, eval_step = make_steps(cfg, abstract, shardings_)
-  return Run(cfg, mesh, abstract, shardings_, train_step, eval_step,
-             getattr(feed, "corpus", None), feed)
+  placement = Placement(spec.resolve(mesh.size), mesh, abstract,
+                        shardings(cfg, abstract, mesh, offload=True))
+  train_step, eval_step = make_steps(cfg, abstract, placement.shardings)
+  return Run(cfg, placement, train_step, eval_step, getattr(feed, "corpus", None), feed)
 
 
 def init(run: Run) -> state_lib.TrainState:
   return state_lib.init_state(run.abstract, run.shardings)
-
-
-class NonFiniteError(RuntimeError):
-  """Training hit a non-finite loss or gradient norm (see train.nonfinite); the CLI exits 3."""
-
-
-def _tally(counts: dict, finite, loss, grad_norm, limit: int) -> dict:
-  """One step's finiteness folded into the running counts, on the device."""
-  bad = jnp.logical_not(finite)
-  step = counts["step"] + 1
-  run = jnp.where(bad, counts["run"] + 1, 0)
-  trip = (counts["trip"] < 0) & (run >= limit)
-  return {"step": step, "bad": counts["bad"] + bad.astype(jnp.int32), "run": run,
-          "last": jnp.where(bad, step, counts["last"]),
-          "trip": jnp.where(trip, step, counts["trip"]),
-          "loss": jnp.where(trip, loss, counts["loss"]),
-          "grad_norm": jnp.where(trip, grad_norm, counts["grad_norm"])}
-
-
-class NonFiniteGuard:
-  """Counts non-finite steps on the device, so no step waits for the host. The loop fetches
-  the counts at log steps and before every save, and `check` raises NonFiniteError once the
-  policy's limit is reached: one such step under "stop", max_skipped in a row under "skip"."""
-
-  def __init__(self, cfg: TrainConfig, mesh, first_step: int, skipped: int = 0):
-    self.cfg = cfg
-    self.limit = 1 if cfg.nonfinite == "stop" else cfg.max_skipped
-    ints = {"step": first_step, "bad": skipped, "run": 0, "last": -1, "trip": -1}
-    counts = {**{k: np.int32(v) for k, v in ints.items()},
-              "loss": np.float32(0), "grad_norm": np.float32(0)}
-    self.counts = jax.device_put(counts, NamedSharding(mesh, PartitionSpec()))
-    self._tally = jax.jit(functools.partial(_tally, limit=self.limit))
-
-  def after_step(self, metrics: dict) -> None:
-    self.counts = self._tally(self.counts, metrics["finite"], metrics["loss"],
-                              metrics["grad_norm"])
-
-  def fetch(self) -> dict:
-    """The counts on the host: this waits for the steps dispatched so far."""
-    return {k: v.item() for k, v in jax.device_get(self.counts).items()}
-
-  def check(self, counts: dict, newest: Callable[[], str]) -> None:
-    """Raises NonFiniteError if the limit was reached; `newest()` names the newest
-    checkpoint (every saved one is finite)."""
-    if counts["trip"] >= 0:
-      raise NonFiniteError(self.message(counts, newest()))
-
-  def message(self, counts: dict, newest: str) -> str:
-    t, step = self.cfg, counts["trip"]
-    values = f"loss {counts['loss']:.4g}, grad_norm {counts['grad_norm']:.4g}"
-    if t.nonfinite == "stop":
-      what = (f"step {step}: the loss or gradient norm is not finite ({values}); "
-              f"train.nonfinite=stop: stopped without saving step {step} or later")
-      other = "; or set train.nonfinite=skip to skip such steps"
-    else:
-      what = (f"steps {step - self.limit + 1}-{step}: {self.limit} non-finite steps in a row "
-              f"(train.max_skipped {t.max_skipped}; the last: {values}); stopped without "
-              f"saving")
-      other = ""
-    return (f"{what}. {newest}. Training diverged: lower train.lr (now {t.lr:g}) or raise "
-            f"train.warmup_steps (now {t.warmup_steps}){other}")
 
 
 def resume_check(cfg: Config, allow: bool, warn: Callable[[str], None]):
@@ -280,16 +262,3 @@ def resume_check(cfg: Config, allow: bool, warn: Callable[[str], None]):
         f"with --fresh --overwrite or another --checkpoint-dir")
 
   return check
-
-
-def last_good(ckpt) -> str:
-  """Names the newest checkpoint once pending saves are durable: all saved states are
-  finite, since the counts are checked before every save."""
-  if ckpt is None:
-    return "No checkpoint was kept (no --checkpoint-dir)"
-  ckpt.wait()
-  step = ckpt.latest_step()
-  if step is None:
-    return f"No checkpoint was saved in {ckpt.directory} before it"
-  return (f"Last good checkpoint: step {step} in {ckpt.directory} (a rerun resumes from it; "
-          f"train.lr and train.warmup_steps may change on resume)")
