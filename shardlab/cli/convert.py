@@ -7,6 +7,7 @@ from pathlib import Path
 from shardlab.runtime import devices
 from shardlab.cli.args import run_command
 from shardlab.errors import ConfigError
+from shardlab.runtime import units
 
 EPILOG = """examples:
   shardlab convert from-hf ./TinyLlama-1.1B ./ckpt/tinyllama
@@ -85,7 +86,7 @@ def _run(args) -> None:
     raise ConfigError(f"--max-shard-gb must be > 0, got {args.max_shard_gb}")
   files, copied = hf_convert.export_checkpoint(
       args.ckpt_dir, args.hf_dir, args.mesh, args.strategy, args.dtype,
-      int(args.max_shard_gb * 2**30), args.overwrite, args.tokenizer_from, args.strict,
+      int(args.max_shard_gb * units.GiB), args.overwrite, args.tokenizer_from, args.strict,
       args.merge_lora)
   if args.tokenizer_from and not copied:
     print(f"warning: no tokenizer files in {args.tokenizer_from}", file=sys.stderr)

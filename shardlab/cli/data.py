@@ -6,6 +6,7 @@ import sys
 
 from shardlab.cli.args import run_command
 from shardlab.errors import ConfigError
+from shardlab.runtime import units
 
 EPILOG = """examples:
   shardlab data train-bpe stdlib runs/bpe/tokenizer.json --vocab-size 2048
@@ -34,7 +35,7 @@ def data_parser(prog: str = "shardlab data") -> argparse.ArgumentParser:
   q.add_argument("source")
   q.add_argument("out")
   q.add_argument("--vocab-size", type=int, default=2048)
-  q.add_argument("--max-bytes", type=int, default=8 * 2**20,
+  q.add_argument("--max-bytes", type=int, default=8 * units.MiB,
                  help="train on at most this much text (default 8 MiB)")
   return p
 

@@ -17,13 +17,14 @@ import ml_dtypes
 import numpy as np
 
 from shardlab.errors import ConfigError
+from shardlab.runtime import units
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
           "BF16": np.dtype(ml_dtypes.bfloat16), "F64": np.dtype(np.float64)}
 CODES = {dtype: code for code, dtype in DTYPES.items()}
-_MAX_HEADER = 100 * 2**20  # a header larger than this is not a safetensors file
+_MAX_HEADER = 100 * units.MiB  # a header larger than this is not a safetensors file
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,7 @@ from shardlab.models import protocol
 from shardlab.models.llama_config import LlamaConfig
 from shardlab.errors import ConfigError
 from shardlab.training.state import Abstract, Shardings
+from shardlab.runtime import units
 
 PREFIX = "hf:"  # --init-from hf:HF_DIR
 LAYER = "{i}"
@@ -196,7 +197,7 @@ _layer = jax.jit(lambda x, i: jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
 
 
 def export_params(params, model: LlamaConfig, hf_dir: str | Path, dtype: str = "float32",
-                  max_shard_bytes: int = 4 * 2**30) -> list[Path]:
+                  max_shard_bytes: int = 4 * units.GiB) -> list[Path]:
   """Writes config.json and safetensors weights (sharded with an index past
   `max_shard_bytes`) that transformers' LlamaForCausalLM.from_pretrained loads."""
   np_dtype = {"float32": np.dtype(np.float32), "bfloat16": hf_files.DTYPES["BF16"],

@@ -6,7 +6,7 @@ import dataclasses
 
 import jax
 
-GiB = 2**30
+from shardlab.runtime import units
 
 
 @dataclasses.dataclass
@@ -67,7 +67,7 @@ class ServingReport:
 
 
 def _size(nbytes: float) -> str:
-  return f"{nbytes / GiB:.3f} GiB" if nbytes >= GiB / 10 else f"{nbytes / 2**20:.3f} MiB"
+  return units.size(nbytes, digits=3)
 
 
 def per_device_bytes(tree) -> float:

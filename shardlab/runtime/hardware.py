@@ -23,9 +23,7 @@ Conventions (so every entry means the same thing):
 import dataclasses
 
 from shardlab.errors import ConfigError, unknown
-
-GiB = 2**30
-GB = 10**9
+from shardlab.runtime.units import GB, GiB, MiB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,19 +75,19 @@ ACCELERATORS = {a.name: a for a in (
     # per GPU); 0.40 sits in that range. H100s reach a smaller fraction of their (3× higher)
     # peak than A100s: memory, network and non-matmul work did not speed up as much.
     # Host link: PCIe 5.0 x16, 64 GB/s each way (H100 and H200 SXM).
-    Accelerator("h100-80g", 989e12, 81559 * 2**20, 3350 * GB, 450 * GB, 50 * GB, 8, 1 * GiB,
+    Accelerator("h100-80g", 989e12, 81559 * MiB, 3350 * GB, 450 * GB, 50 * GB, 8, 1 * GiB,
                 "gpu", efficiency=0.40, efficiency_source=_LLAMA3, host_bw=64 * GB),
     # NVIDIA H200 SXM datasheet: same compute and NVLink as H100, 141 GB HBM3e at 4.8 TB/s.
     # nvidia-smi: 143771 MiB. Efficiency: no published training MFU found; H100's figure is
     # assumed (same tensor cores and clocks; more bandwidth speeds memory-bound work only).
-    Accelerator("h200", 989e12, 143771 * 2**20, 4800 * GB, 450 * GB, 50 * GB, 8, 1 * GiB, "gpu",
+    Accelerator("h200", 989e12, 143771 * MiB, 4800 * GB, 450 * GB, 50 * GB, 8, 1 * GiB, "gpu",
                 efficiency=0.40, efficiency_source="assumption: the H100 figure (Llama 3 "
                 "paper, 38-43% MFU); same tensor cores", host_bw=64 * GB),
     # NVIDIA L4 datasheet: 242 TFLOP/s bf16 with sparsity = 121 dense, 24 GB GDDR6 at
     # 300 GB/s, PCIe 4.0 x16 and no NVLink: devices talk over PCIe (32 GB/s each way).
     # nvidia-smi: 23034 MiB. Up to 8 per node (GCP g2-standard-96, 100 Gb/s per node =
     # 1.56 GB/s per GPU). Efficiency: no published training MFU; the H100 figure is assumed.
-    Accelerator("l4-24g", 121e12, 23034 * 2**20, 300 * GB, 32 * GB, 1.5625 * GB, 8, 1 * GiB,
+    Accelerator("l4-24g", 121e12, 23034 * MiB, 300 * GB, 32 * GB, 1.5625 * GB, 8, 1 * GiB,
                 "gpu", efficiency=0.40,
                 efficiency_source="assumption: the H100 figure (Llama 3 paper, 38-43% MFU)"),
     # Cloud TPU v4 docs: 275 TFLOP/s bf16, 32 GiB HBM2 at 1,200 GB/s, 2,400 Gbps ICI
