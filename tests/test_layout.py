@@ -84,6 +84,29 @@ def test_imports_follow_the_stated_direction():
   assert not wrong, "\n".join(sorted(wrong))
 
 
+def stated_chain() -> str:
+  """RANKS as one sentence: 'cli → {plan, hf, generate, testing} → … → errors'."""
+  by_rank: dict[int, list[str]] = {}
+  for group_name, rank in RANKS.items():
+    if group_name != "shardlab":
+      by_rank.setdefault(rank, []).append(group_name.removeprefix("shardlab."))
+  names = [g[0] if len(g) == 1 else "{" + ", ".join(g) + "}"
+           for _, g in sorted(by_rank.items(), reverse=True)]
+  return " → ".join(names)
+
+
+def test_the_readme_states_the_enforced_chain_and_no_ghost_package():
+  readme = " ".join((ROOT / "README.md").read_text().split())
+  assert f"Imports go one way: {stated_chain()} " in readme
+  known = modules()
+  ghosts = [g for g in RANKS if g not in known]
+  assert not ghosts, f"RANKS names packages that do not exist: {ghosts}"
+  unranked = [name for name in known if not any(name == g or name.startswith(g + ".")
+                                                for g in RANKS if g != "shardlab")
+              and name != "shardlab"]
+  assert not unranked, f"modules in no ranked group: {unranked}"
+
+
 def test_no_import_cycles():
   edges = graph()
   cycles, done = [], set()
