@@ -14,17 +14,41 @@ def duration(seconds: float) -> str:
   return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def step_line(record: dict, total: int) -> str:
-  """step, loss, lr, grad norm, throughput, MFU and ETA of one logged step."""
-  rate = ""
-  if "tflops_per_device" in record:
-    rate = f"  {record['tflops_per_device']:.3g} TFLOP/s/dev"
-    rate += f"  MFU {record['mfu']:.1%}" if "mfu" in record else ""
+# The step line's fields, in display order, with the order a narrow line drops them in
+# (higher first); 0: never dropped — the step, tokens/s, MFU and ETA are what the bar is for.
+DROP_ORDER = {"step": 0, "loss": 1, "lr": 5, "grad_norm": 3, "tok/s": 0, "ms/step": 2,
+              "TFLOP/s": 4, "MFU": 0, "ETA": 0}
+
+
+def bar_width(columns: int) -> int:
+  """The bar's columns: narrower on a narrow terminal, so the loss keeps its place at 80."""
+  return 20 if columns >= 120 else 8
+
+
+def step_fields(record: dict, total: int) -> dict[str, str]:
+  """step, loss, lr, grad norm, throughput, MFU and ETA of one logged step, as text."""
   eta = record["step_time_s"] * (total - record["step"])
-  return (f"step {record['step']:>6}/{total}  loss {record['loss']:.4f}  "
-          f"lr {record['lr']:.2e}  grad_norm {record['grad_norm']:.3f}  "
-          f"{record['tokens_per_s']:,.0f} tok/s  {record['step_time_s'] * 1e3:.0f} ms/step"
-          f"{rate}  ETA {duration(eta)}")
+  fields = {"step": f"step {record['step']:>{len(str(total))}}/{total}", "loss": f"loss {record['loss']:.4f}",
+            "lr": f"lr {record['lr']:.2e}", "grad_norm": f"grad_norm {record['grad_norm']:.3f}",
+            "tok/s": f"{record['tokens_per_s']:,.0f} tok/s",
+            "ms/step": f"{record['step_time_s'] * 1e3:.0f} ms/step"}
+  if "tflops_per_device" in record:
+    fields["TFLOP/s"] = f"{record['tflops_per_device']:.3g} TFLOP/s/dev"
+  if "mfu" in record:
+    fields["MFU"] = f"MFU {record['mfu']:.1%}"
+  fields["ETA"] = f"ETA {duration(eta)}"
+  return fields
+
+
+def step_line(record: dict, total: int, width: int | None = None) -> str:
+  """The fields on one line; within `width` columns, dropping fields by DROP_ORDER."""
+  fields = step_fields(record, total)
+  line = lambda: "  ".join(fields.values())
+  for name in sorted(fields, key=lambda n: -DROP_ORDER[n]):
+    if width is None or len(line()) <= width or not DROP_ORDER[name]:
+      break
+    del fields[name]
+  return line()
 
 
 def _console(stream) -> Console:
@@ -47,16 +71,18 @@ class Progress:
   def update(self, record: dict) -> None:
     if self.quiet:
       return
-    line = step_line(record, self.total)
     if not self.live:
-      self.stream.write(line + "\n")
+      self.stream.write(step_line(record, self.total) + "\n")
       self.stream.flush()
       return
+    # What the bar and its percentage leave of the terminal's width.
+    bar = bar_width(self.console.width)
+    line = step_line(record, self.total, self.console.width - bar - 6)
     if self._bar is None:
       # The metrics take what the bar and percentage leave, cut short on a narrow terminal.
       metrics = TextColumn("{task.description}",
                            table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1))
-      self._bar = RichProgress(BarColumn(bar_width=20), TaskProgressColumn(), metrics,
+      self._bar = RichProgress(BarColumn(bar_width=bar), TaskProgressColumn(), metrics,
                                console=self.console, auto_refresh=False, expand=True)
       self._task = self._bar.add_task("", total=self.total)
       self._bar.start()
