@@ -46,6 +46,18 @@ def test_sharded_greedy_decoding_matches_one_device(strategy):
     np.testing.assert_array_equal(a, b)
 
 
+# Context parallelism (and sequence parallelism with it) split the training sequence; a decode
+# step's sequence of one token cannot be split, so sampling leaves it whole. Before, a CP
+# run's end-of-run sample and `shardlab generate` on its checkpoint failed (exit 2).
+@pytest.mark.parametrize("strategy, mesh", [("dp", "data:4,context:2"),
+                                            ("fsdp_tp_sp", "fsdp:2,context:2,tensor:2")])
+def test_context_parallel_runs_sample_what_one_device_draws(strategy, mesh):
+  one, _ = drawn("dp", "data:1", GREEDY)
+  split, _ = drawn(strategy, mesh, GREEDY)
+  for a, b in zip(one, split):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_sharded_sampling_matches_one_device():
   one, _ = drawn("dp", "data:1", SAMPLED)
   sharded, _ = drawn("tp", None, SAMPLED)
