@@ -42,6 +42,33 @@ def test_matching_and_mismatching_sharded_functions(mesh):
                                          reference=lambda a: a)
 
 
+def test_a_correct_tensor_parallel_matmul_passes_by_default(mesh):
+  """Its contraction is split over `tensor`, so each output is a sum added in another order:
+  outputs near zero (large terms that cancel) move by the terms' rounding, which rtol alone
+  does not allow — the default scaled_atol does."""
+  m = mesh("data:2,tensor:4")
+  rng = np.random.default_rng(0)
+  x = (100 * rng.normal(size=(16, 256))).astype(np.float32)
+  w = rng.normal(size=(256, 64)).astype(np.float32)
+  shardings = (rows_sharding(m, "data", "tensor"), rows_sharding(m, "tensor", None))
+  matmul = lambda a, b: a @ b
+  assert_sharded_matches_single_device(matmul, x, w, in_shardings=shardings)
+  with pytest.raises(AssertionError, match="elements differ"):
+    assert_sharded_matches_single_device(matmul, x, w, in_shardings=shardings,
+                                         scaled_atol=0.0)
+
+
+def test_the_message_names_an_element_that_fails(mesh):
+  """The largest difference (5, on 1e6: within rtol) is not the failing one (0.1 on 1)."""
+  m = mesh("data:2")
+  x = np.array([1e6, 1.0], np.float32)
+  with pytest.raises(AssertionError, match=r"1/2 elements differ; worst at \(1,\): sharded 1, "
+                                           r"one device 0\.8999"):
+    assert_sharded_matches_single_device(lambda a: a, x, in_shardings=(rows_sharding(m, "data"),),
+                                         reference=lambda a: a - jnp.array([5.0, 0.1]),
+                                         scaled_atol=0.0)
+
+
 def test_placement_and_replication_checks(mesh):
   m = mesh("fsdp:4,tensor:2")
   rules = sl.strategy("fsdp_tp")

@@ -8,8 +8,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shardlab.sharding import rules as rules_lib
 
 
-def _worst(actual, expected, rtol: float, atol: float) -> str | None:
-  """A readable line for the leaf that differs most, or None when all are close."""
+def _worst(actual, expected, rtol: float, atol: float, scaled_atol: float) -> str | None:
+  """A readable line for the leaf whose failing element is furthest off, or None when all
+  are close: |a - e| <= atol + scaled_atol·max|e of the leaf| + rtol·|e|."""
   worst = None
   for (path, a), (_, e) in zip(jax.tree_util.tree_flatten_with_path(actual)[0],
                                jax.tree_util.tree_flatten_with_path(expected)[0]):
@@ -17,15 +18,21 @@ def _worst(actual, expected, rtol: float, atol: float) -> str | None:
     where = jax.tree_util.keystr(path) or "output"
     if a.shape != e.shape:
       return f"{where}: shape {a.shape} sharded, {e.shape} on one device"
-    bad = ~np.isclose(a, e, rtol=rtol, atol=atol)
+    scale = np.abs(e).max() if e.size else 0.0
+    tol = atol + scaled_atol * scale
+    bad = ~np.isclose(a, e, rtol=rtol, atol=tol)
     if bad.any():
-      err = np.abs(a - e)
+      # The worst of the failing elements: the largest difference overall may sit on a large
+      # value that rtol allows, and naming it would point at an element that is fine.
+      err = np.where(bad, np.abs(a - e), -1.0)
       i = np.unravel_index(int(err.argmax()), err.shape)
       line = (f"{where}: {int(bad.sum())}/{a.size} elements differ; worst at "
               f"{tuple(map(int, i))}: sharded {a[i]:.9g}, one device {e[i]:.9g} "
-              f"(|diff| {err[i]:.3g}; rtol {rtol}, atol {atol})")
-      if worst is None or err.max() > worst[0]:
-        worst = (err.max(), line)
+              f"(|diff| {err[i]:.3g}, allowed {tol + rtol * abs(e[i]):.3g}: atol {atol} + "
+              f"scaled_atol {scaled_atol} × max|one device| {scale:.3g} + rtol {rtol} × "
+              f"{abs(e[i]):.3g})")
+      if worst is None or err[i] > worst[0]:
+        worst = (err[i], line)
   return None if worst is None else worst[1]
 
 
@@ -34,12 +41,15 @@ def _total(fn):
 
 
 def assert_sharded_matches_single_device(fn, *args, in_shardings, rtol: float = 1e-5,
-                                         atol: float = 0.0, grad: bool = False,
-                                         reference=None):
+                                         atol: float = 0.0, scaled_atol: float = 1e-5,
+                                         grad: bool = False, reference=None):
   """Runs `fn(*args)` jitted with `in_shardings` and `reference(*args)` (default: `fn`) on
   one device, and compares the outputs (and with `grad=True` the gradients w.r.t. the first
-  argument of their sums). Give `reference` when `fn` names a mesh itself (shard_map code):
-  the plain computation it must equal. Returns the sharded outputs."""
+  argument of their sums): |sharded - one| <= atol + scaled_atol·max|one| + rtol·|one|, per
+  leaf. `scaled_atol` is there because a sharded reduction adds in another order: an output
+  near zero (a sum of terms that cancel) moves by rounding of the terms' size, not its own,
+  which no rtol covers. Give `reference` when `fn` names a mesh itself (shard_map code): the
+  plain computation it must equal. Returns the sharded outputs."""
   reference = fn if reference is None else reference
   one_device = jax.device_put(args, jax.devices()[0])  # jit then runs there alone
   pairs = [(fn, reference, "outputs")]
@@ -51,7 +61,7 @@ def assert_sharded_matches_single_device(fn, *args, in_shardings, rtol: float = 
     single = jax.jit(ref)(*one_device)
     if jax.tree.structure(sharded) != jax.tree.structure(single):
       raise AssertionError(f"{what}: tree structures differ")
-    problem = _worst(sharded, single, rtol, atol)
+    problem = _worst(sharded, single, rtol, atol, scaled_atol)
     if problem:
       raise AssertionError(f"sharded {what} differ from one device's: {problem}")
     sharded_result = sharded if sharded_result is None else sharded_result
