@@ -29,10 +29,13 @@ def test_run_dir_holds_metrics_events_plot_and_profile(tmp_path, capsys):
   summary = train.train(cfg, quiet=True, on_finish=train_cli.sampler(8))
   out = capsys.readouterr().out
   assert "compiled train step, per device" in out and "over fsdp" in out
-  assert "measured fp32 matmul" in out
+  assert "fp32 matmul" in out
 
-  records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+  lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+  records = [r for r in lines if "loss" in r]
   assert [r["step"] for r in records] == [2, 4]
+  # The final held-out loss ends the file, as train.eval_every's losses are recorded.
+  assert lines[-1] == {"step": 4, "eval_loss": pytest.approx(summary["held_out_loss"])}
   assert all(r["tflops_per_device"] > 0 and 0 < r["mfu"] <= 1 for r in records)
 
   from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -114,3 +117,15 @@ def test_progress_bar_and_activity_on_a_terminal(monkeypatch):
   with Activity("compiling", stream=logs):
     time.sleep(0.3)
   assert logs.getvalue() == ""
+
+
+def test_the_plot_shows_a_short_run_the_final_held_out_loss_and_the_data_unit():
+  from shardlab.observe import plots
+  lines = [{"step": 4, "loss": 2.5, "tokens_per_s": 100.0}, {"step": 4, "eval_loss": 2.7}]
+  fig = plots.figure(lines, unit="byte")
+  loss_ax, speed_ax = fig.axes[:2]
+  assert loss_ax.get_ylabel() == "loss (nats/byte)"  # the console's unit, not always tokens
+  train, held_out = loss_ax.get_lines()
+  assert train.get_marker() == "o" and speed_ax.get_lines()[0].get_marker() == "o"
+  assert list(held_out.get_xdata()) == [4] and list(held_out.get_ydata()) == [2.7]
+  assert plots.figure([{"step": 1, "eval_loss": 3.0}]) is None  # nothing trained: no plot

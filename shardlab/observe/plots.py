@@ -17,12 +17,25 @@ def read_jsonl(path: str | Path) -> list[dict]:
   return records
 
 
-def write(metrics_jsonl: str | Path, png: str | Path, title: str = "") -> bool:
-  """Plots loss and tokens/s (with an MFU scale when recorded) by step; False if there is
-  nothing to plot."""
-  records = [r for r in read_jsonl(metrics_jsonl) if "step" in r and "loss" in r]
-  if not records:
+def write(metrics_jsonl: str | Path, png: str | Path, title: str = "",
+          unit: str = "token") -> bool:
+  """Plots loss (nats per `unit`, the data's: "byte" for the byte corpus) and tokens/s (with
+  an MFU scale when recorded) by step; False if there is nothing to plot."""
+  fig = figure(read_jsonl(metrics_jsonl), title, unit)
+  if fig is None:
     return False
+  import matplotlib.pyplot as plt
+  Path(png).parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(png, dpi=100)
+  plt.close(fig)
+  return True
+
+
+def figure(lines: list[dict], title: str = "", unit: str = "token"):
+  """The figure `write` saves, from the JSONL's records; None without a step to plot."""
+  records = [r for r in lines if "step" in r and "loss" in r]
+  if not records:
+    return None
   import matplotlib
   matplotlib.use("Agg")  # files only, never a window
   import matplotlib.pyplot as plt
@@ -30,16 +43,20 @@ def write(metrics_jsonl: str | Path, png: str | Path, title: str = "") -> bool:
   by_step = {r["step"]: r for r in records}  # a resumed run may log a step twice: keep the last
   steps = sorted(by_step)
   fig, (loss_ax, speed_ax) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-  loss_ax.plot(steps, [by_step[s]["loss"] for s in steps], color="tab:blue", label="train")
-  evals = {r["step"]: r["eval_loss"] for r in read_jsonl(metrics_jsonl) if "eval_loss" in r}
-  if evals:  # train.eval_every: the held-out loss
+  # A short run logs a few steps: markers keep one or two points visible (a line of one
+  # point draws nothing).
+  marker = "o" if len(steps) < 20 else None
+  loss_ax.plot(steps, [by_step[s]["loss"] for s in steps], color="tab:blue", label="train",
+               marker=marker)
+  evals = {r["step"]: r["eval_loss"] for r in lines if "eval_loss" in r}
+  if evals:  # train.eval_every's and the final held-out loss
     loss_ax.plot(sorted(evals), [evals[s] for s in sorted(evals)], "o-", color="tab:orange",
                  label="held-out")
     loss_ax.legend()
-  loss_ax.set_ylabel("loss (nats/token)")
+  loss_ax.set_ylabel(f"loss (nats/{unit})")
   loss_ax.grid(alpha=0.3)
   speed_ax.plot(steps, [by_step[s].get("tokens_per_s", float("nan")) for s in steps],
-                color="tab:green")
+                color="tab:green", marker=marker)
   speed_ax.set_ylabel("tokens/s")
   speed_ax.set_xlabel("step")
   speed_ax.grid(alpha=0.3)
@@ -52,7 +69,4 @@ def write(metrics_jsonl: str | Path, png: str | Path, title: str = "") -> bool:
   if title:
     fig.suptitle(title)
   fig.tight_layout()
-  Path(png).parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(png, dpi=100)
-  plt.close(fig)
-  return True
+  return fig

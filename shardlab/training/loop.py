@@ -153,14 +153,18 @@ def train(cfg: Config, quiet: bool = False, fresh: bool = False, overwrite: bool
   try:
     state, done, signal, skipped = _loop(run, compiled, state, first_step, inputs, ckpt,
                                          logger, profile, stop_after, guard)
+  except BaseException:
+    logger.file.close()
+    raise
   finally:
     inputs.close()
     progress.close()
     profile.stop(state)
-    logger.file.close()
     if ckpt is not None:
       ckpt.close()
+  # The metrics file stays open for the final held-out loss.
   summary = _finish(run, state, done - first_step, done, signal, logger, progress, paths)
+  logger.file.close()
   summary["compiled"] = report.as_dict()
   if cfg.train.nonfinite == "skip":
     summary["skipped_steps"] = skipped
@@ -204,6 +208,8 @@ def _finish(run: Run, state, ran: int, done: int, signal, logger: Logger,
   if not signal and done >= run.cfg.train.steps:
     summary["held_out_loss"] = run.held_out_loss(state.params)
     summary["unigram_loss"] = run.feed.unigram_loss()
+    # The same record as train.eval_every's, so the JSONL and the plot end with it.
+    logger.file.write({"step": done, "eval_loss": summary["held_out_loss"]})
     if logger.events:
       logger.events.write({"step": done, "held_out_loss": summary["held_out_loss"]},
                           prefix="eval/")
@@ -211,7 +217,8 @@ def _finish(run: Run, state, ran: int, done: int, signal, logger: Logger,
     logger.events.close()
   cfg = run.cfg
   if paths.plot and distributed.is_leader() and plots.write(
-      paths.metrics, paths.plot, f"{cfg.model.name} {cfg.strategy} on {cfg.mesh}"):
+      paths.metrics, paths.plot, f"{cfg.model.name} {cfg.strategy} on {cfg.mesh}",
+      run.feed.unit):
     summary["plot"] = paths.plot
     progress.message(f"plot of loss and throughput written to {paths.plot}")
   return summary
