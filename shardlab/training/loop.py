@@ -11,6 +11,7 @@ from shardlab.errors import ConfigError
 from shardlab.observe import plots, profiling, step_report, throughput
 from shardlab.observe.progress import Activity, Progress
 from shardlab.runtime import distributed
+from shardlab.sharding import idle
 from shardlab.training import checkpoint, schedule
 from shardlab.training.preemption import StopRequest
 from shardlab.training.reporting import Logger, RunPaths, run_paths
@@ -139,6 +140,8 @@ def train(cfg: Config, quiet: bool = False, fresh: bool = False, overwrite: bool
   run = setup(cfg)
   progress = Progress(cfg.train.steps, quiet=quiet, silent=not distributed.is_leader())
   progress.message(describe(run))
+  for line in idle.warnings(run.shardings.rules, dict(run.mesh.shape)):
+    progress.message(line)
   ckpt = checkpoint.Checkpointer(cfg.checkpoint) if cfg.checkpoint.dir else None
   start = time.perf_counter()
   state, first_step, skipped, saved = _start_or_close(run, ckpt, progress,
