@@ -5,6 +5,7 @@ import sys
 
 from shardlab.cli import convert as convert_cli
 from shardlab.cli import data as data_cli
+from shardlab.cli import explain as explain_cli
 from shardlab.cli import generate as generate_cli
 from shardlab.cli import inspect as inspect_cli
 from shardlab.cli import plan as plan_cli
@@ -20,7 +21,8 @@ def launch_main(argv=None, prog: str = "shardlab launch") -> int:
 
 COMMANDS = {"train": train_main, "plan": plan_cli.plan_main, "launch": launch_main,
             "convert": convert_cli.convert_main, "inspect": inspect_cli.inspect_main,
-            "generate": generate_cli.generate_main, "data": data_cli.data_main}
+            "generate": generate_cli.generate_main, "data": data_cli.data_main,
+            "explain": explain_cli.explain_main}
 
 
 def main(argv=None) -> int:

@@ -8,7 +8,9 @@ fixture. The assertions work with or without it.
 from shardlab.testing.assertions import assert_no_replicated_above, assert_placement
 from shardlab.testing.assertions import assert_sharded_matches_single_device
 from shardlab.testing.collectives import assert_collectives, bytes_per_device, collectives
+from shardlab.testing.explain import assert_no_collective, assert_no_unplanned_collectives
 from shardlab.testing.processes import launch
 
-__all__ = ["assert_collectives", "assert_no_replicated_above", "assert_placement",
+__all__ = ["assert_collectives", "assert_no_collective", "assert_no_replicated_above",
+           "assert_no_unplanned_collectives", "assert_placement",
            "assert_sharded_matches_single_device", "bytes_per_device", "collectives", "launch"]

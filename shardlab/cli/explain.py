@@ -1,0 +1,95 @@
+"""`shardlab explain`: every collective of the compiled train step, why it is there (source
+line, pass, loop, what it moves, the rule behind it, planned or not), and with --against
+what another strategy or rule override changes. See docs/explain.md."""
+
+import argparse
+import json
+import sys
+
+import jax
+import numpy as np
+
+from shardlab.cli.args import add_model_mesh_strategy, add_overrides, add_simulate_devices
+from shardlab.cli.args import load_config, setup_devices
+from shardlab.errors import ConfigError
+from shardlab.observe import explain as explain_lib
+from shardlab.observe import explain_diff, explain_html, progress
+from shardlab.runtime import hardware
+from shardlab.training import run as run_lib
+
+
+def explain_parser(prog: str = "shardlab explain") -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog=prog, description="List every collective of the compiled train step with the "
+                             "source line it comes from, its bytes and time, the rule behind "
+                             "it, and whether the strategy plans it.",
+      epilog="Example: shardlab explain --model tiny --mesh fsdp:4,tensor:2 --strategy "
+             "fsdp_tp --against fsdp")
+  add_model_mesh_strategy(p)
+  p.add_argument("--target", default=explain_lib.DEFAULT_TARGET,
+                 help=f"accelerator whose ICI/DCN bandwidths time each collective: "
+                      f"{', '.join(hardware.names())} or a TOML file")
+  p.add_argument("--against", metavar="STRATEGY",
+                 help="also compile under this strategy and show what appeared, "
+                      "disappeared or changed size")
+  p.add_argument("--against-set", dest="against_overrides", action="append", default=[],
+                 metavar="KEY=VALUE", help="the other step: this one with these overrides "
+                                           "(e.g. rules.params.mlp=none)")
+  p.add_argument("--html", metavar="FILE", help="also write the report as one HTML page")
+  p.add_argument("--json", action="store_true", help="print JSON instead of text")
+  add_simulate_devices(p)
+  add_overrides(p, "rules.activations.mlp=none")
+  return p
+
+
+def explain_config(cfg, target: str = explain_lib.DEFAULT_TARGET) -> explain_lib.Report:
+  """The report of `cfg`'s train step compiled on this machine's first devices."""
+  p = run_lib.place(cfg, jax.devices()[:_devices(cfg)])
+  step = run_lib.make_steps(cfg, p.abstract, p.shardings)[0]
+  args = run_lib.abstract_inputs(p.abstract, p.shardings, cfg)
+  with progress.Activity(f"compiling the train step ({cfg.strategy})"):
+    return explain_lib.explain(step, *args, names=p.abstract.names, target=target,
+                               dcn_axes=tuple(a for a, n in p.spec.dcn.items() if n != 1))
+
+
+def _devices(cfg) -> int:
+  p = run_lib.place(cfg, abstract=True, n_devices=jax.device_count())
+  n = int(np.prod(list(p.shardings.mesh.shape.values())))
+  if n > jax.device_count():
+    raise ConfigError(f"explain compiles on this machine's devices: mesh {cfg.mesh!r} needs "
+                      f"{n}, there are {jax.device_count()} (pass --simulate-devices {n})")
+  return n
+
+
+def explain_main(argv=None, prog: str = "shardlab explain") -> int:
+  args = explain_parser(prog).parse_args(argv)
+  try:
+    setup_devices(args.simulate_devices)
+    cfg = load_config(args.model, args.mesh, args.strategy, args.overrides)
+    report = explain_config(cfg, args.target)
+    diff = None
+    if args.against or args.against_overrides:
+      strategy = args.against or args.strategy
+      other_cfg = load_config(args.model, args.mesh, strategy,
+                              list(args.overrides) + list(args.against_overrides))
+      label = " ".join([strategy] + list(args.against_overrides))
+      diff = explain_diff.compare(report, explain_config(other_cfg, args.target), label)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if args.html:
+    with open(args.html, "w") as f:
+      f.write(explain_html.render(report, f"shardlab explain: {args.model}, {args.strategy} "
+                                          f"on {args.mesh}"))
+  if args.json:
+    out = report.as_dict()
+    if diff is not None:
+      out["against"] = {"other": diff.other, "delta_by_kind": diff.delta_by_kind(),
+                        "appeared": len(diff.appeared), "disappeared": len(diff.disappeared),
+                        "changed": len(diff.changed)}
+    print(json.dumps(out, indent=2))
+  else:
+    print("\n".join(report.render()))
+    if diff is not None:
+      print("\n" + "\n".join(diff.render()))
+  return 0
