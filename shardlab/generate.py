@@ -94,29 +94,16 @@ class EosStop:
     return np.where(np.arange(tokens_RxN.shape[1]) >= lengths[:, None], last, tokens_RxN), lengths
 
 
-SEQUENCE_NAMES = ("length", "residual_length")
-
-
-def sampling_rules(rules: rules_lib.Rules) -> rules_lib.Rules:
-  """The training rules with the sequence unsplit: a decode step holds one token, which no
-  mesh axis divides, so context parallelism (and sequence parallelism's `tensor` split of the
-  residual stream) leave the sequence and the KV cache whole while sampling; the devices of
-  those axes compute the same rows. The weights keep their training placement."""
-  activations = {name: None if name in SEQUENCE_NAMES else axes
-                 for name, axes in rules.activations.items()}
-  return dataclasses.replace(rules, activations=activations)
-
-
 class Generator:
   """Jitted prefill, decode step and (for checking) uncached step for one model, mesh and
-  rules (the training rules, the sequence unsplit: `sampling_rules`). jit compiles once per
-  batch size, cache length and sampling settings."""
+  rules (the training rules, the sequence unsplit: rules.sequence_unsplit). jit compiles
+  once per batch size, cache length and sampling settings."""
 
   def __init__(self, cfg: Config, abstract: Abstract, sh: Shardings,
                prefill_chunk: int = PREFILL_CHUNK):
     if prefill_chunk < 1:
       raise ConfigError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
-    sh = dataclasses.replace(sh, rules=sampling_rules(sh.rules))
+    sh = dataclasses.replace(sh, rules=rules_lib.sequence_unsplit(sh.rules))
     self.cfg, self.abstract, self.sh = cfg, abstract, sh
     # Prompts are prefilled this many tokens at a time: attention's scores over the cache
     # and the logits grow with the chunk, not the prompt.

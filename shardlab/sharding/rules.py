@@ -108,6 +108,19 @@ class Rules:
     return self.batch_axes + tuple(a for a in length if a not in self.batch_axes)
 
 
+SEQUENCE_NAMES = ("length", "residual_length")
+
+
+def sequence_unsplit(rules: Rules) -> Rules:
+  """`rules` with the sequence whole, for sampling: a decode step holds one token, which no
+  mesh axis divides, so context parallelism (and sequence parallelism's `tensor` split of the
+  residual stream) leave the sequence and the KV cache whole; the devices of those axes
+  compute the same rows. The weights keep their placement."""
+  activations = {name: None if name in SEQUENCE_NAMES else axes
+                 for name, axes in rules.activations.items()}
+  return dataclasses.replace(rules, activations=activations)
+
+
 def _axes(value) -> tuple[str, ...]:
   if value is None:
     return ()
