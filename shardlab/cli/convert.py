@@ -1,4 +1,5 @@
-"""`shardlab convert`: Hugging Face Llama directories ↔ shardlab checkpoints."""
+"""`shardlab convert`: Hugging Face model directories ↔ shardlab checkpoints (Llama, Mixtral,
+and any family whose adapter is registered: shardlab/hf/adapter.py)."""
 
 import argparse
 import sys
@@ -20,7 +21,8 @@ EPILOG = """examples:
 
 def convert_parser(prog: str = "shardlab convert") -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
-      prog=prog, description="Import and export Hugging Face Llama weights (safetensors).",
+      prog=prog, description="Import and export Hugging Face weights (safetensors): Llama, "
+      "Mixtral, and any family with a registered adapter.",
       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = p.add_subparsers(dest="command", required=True, metavar="{from-hf,to-hf,hf-config}")
 

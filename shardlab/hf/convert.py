@@ -1,4 +1,5 @@
-"""Whole-directory conversions: a Hugging Face Llama dir ↔ a shardlab checkpoint dir.
+"""Whole-directory conversions: a Hugging Face model dir ↔ a shardlab checkpoint dir, for any
+family with an adapter (shardlab/hf/adapter.py).
 
 Both run on whatever mesh is given (default: every device on `fsdp`), so the params are
 spread over the devices and only one tensor (or one shard of one) passes through host
@@ -20,10 +21,8 @@ from shardlab.training import checkpoint
 from shardlab import config as config_lib
 from shardlab.hf import weights as hf
 from shardlab.hf import config as hf_config
-from shardlab.hf import mixtral
 from shardlab.models import registry
 from shardlab.parallel import lora
-from shardlab.models.llama_config import LlamaConfig
 from shardlab.training import run as run_lib
 from shardlab.training import state as state_lib
 from shardlab.config import CheckpointConfig, Config, TrainConfig
@@ -41,10 +40,11 @@ def _placement(cfg: Config) -> tuple[state_lib.Abstract, state_lib.Shardings]:
   return p.abstract, p.shardings
 
 
-def hf_model_config(hf_dir: str | Path) -> LlamaConfig:
+def hf_model_config(hf_dir: str | Path):
+  """The model config of the HF directory's config.json, by the adapter that claims it."""
   path = Path(hf_dir)
-  return mixtral.to_model(hf_config.read(path), f"hf-{path.absolute().name}",
-                          str(path / hf_config.CONFIG_FILE))
+  return hf_config.to_model(hf_config.read(path), f"hf-{path.absolute().name}",
+                            str(path / hf_config.CONFIG_FILE))
 
 
 def import_checkpoint(hf_dir: str | Path, out_dir: str | Path, mesh: str = DEFAULT_MESH,
@@ -86,7 +86,7 @@ def export_checkpoint(ckpt_dir: str | Path, hf_dir: str | Path, mesh: str = DEFA
                       tokenizer_from: str | Path | None = None, strict: bool = False,
                       merge_lora: bool = False) -> tuple[list[Path], list[str]]:
   """Writes the newest intact checkpoint in `ckpt_dir` (a damaged newer step is skipped with
-  a warning, or refused if `strict`) as a Hugging Face Llama directory (with the tokenizer
+  a warning, or refused if `strict`) as a Hugging Face directory (with the tokenizer
   files of `tokenizer_from`, if given); returns (weight files, tokenizer files). A non-empty
   `hf_dir` needs `overwrite`, and is then replaced whole (see _replace_dir). A LoRA run's
   adapters are merged into the weights they adapt (W + scale·A·B, in fp32) only if

@@ -1,16 +1,14 @@
-"""Hugging Face Llama weights ↔ shardlab params, one tensor (or one shard of one) at a time.
+"""Hugging Face weights ↔ shardlab params, one tensor (or one shard of one) at a time, for
+any family: what goes where is its adapter's tensor table (shardlab/hf/adapter.py), the
+engine here knows no family.
 
 Import builds every param with jax.make_array_from_callback on its target sharding: each
 device's callback reads only its own box of the HF tensors (layer by layer for the stacked
 `blocks`), so the whole model is never in one host's memory and each process reads only
 the shards its devices hold. Export fetches one layer of one param at a time and streams
 it into safetensors files.
-
-No layout change beyond transposes is needed: models/llama.py uses HF's rotate-half RoPE
-and HF's repeat_kv head grouping (query head i reads kv head i // (H / K)).
 """
 
-import dataclasses
 import json
 import math
 import shutil
@@ -20,83 +18,15 @@ import jax
 import numpy as np
 
 from shardlab.hf import config as hf_config
+from shardlab.hf import families
 from shardlab.hf import files as hf_files
-from shardlab.hf import mixtral
-from shardlab.models import protocol
-from shardlab.models.llama_config import LlamaConfig
+from shardlab.hf.adapter import CONFIG_FILE, STACKED, Adapter, Mapping
 from shardlab.errors import ConfigError
 from shardlab.training.state import Abstract, Shardings
 from shardlab.runtime import units
 
 PREFIX = "hf:"  # --init-from hf:HF_DIR
-LAYER = "{i}"
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers some older checkpoints carry
-
-
-@dataclasses.dataclass(frozen=True)
-class Mapping:
-  """One shardlab param ↔ one HF tensor. `hf_dims` spells each HF dim as the param letters
-  it flattens (outermost first): q_proj.weight is (H·E, D) = ("HE", "D"), the param
-  q_DxHxE is "DHE". A name with {i} is per layer, stacked on the param's leading axis."""
-  param: tuple[str, ...]
-  hf: str
-  hf_dims: tuple[str, ...]
-  dims: str
-
-  @property
-  def stacked(self) -> bool:
-    return LAYER in self.hf
-
-  def hf_names(self, n_layers: int) -> list[str]:
-    return [self.hf.format(i=i) for i in range(n_layers)] if self.stacked else [self.hf]
-
-
-def _block(param: str, hf: str, hf_dims, dims) -> Mapping:
-  return Mapping(("blocks",) + tuple(param.split(".")), f"model.layers.{LAYER}.{hf}.weight",
-                 hf_dims, dims)
-
-
-def mappings(m: LlamaConfig) -> list[Mapping]:
-  """Every param of models/llama.py, in HF's usual tensor order."""
-  out = [Mapping(("embed_VxD",), "model.embed_tokens.weight", ("V", "D"), "VD")]
-  out += [
-      _block("attn_norm.scale", "input_layernorm", ("D",), "D"),
-      _block("attn.q_DxHxE", "self_attn.q_proj", ("HE", "D"), "DHE"),
-      _block("attn.k_DxKxE", "self_attn.k_proj", ("KE", "D"), "DKE"),
-      _block("attn.v_DxKxE", "self_attn.v_proj", ("KE", "D"), "DKE"),
-      _block("attn.o_HxExD", "self_attn.o_proj", ("D", "HE"), "HED"),
-      _block("mlp_norm.scale", "post_attention_layernorm", ("D",), "D"),
-  ]
-  out += _moe_mappings() if protocol.has(m, "n_experts") else [
-      _block("mlp.gate_DxF", "mlp.gate_proj", ("F", "D"), "DF"),
-      _block("mlp.up_DxF", "mlp.up_proj", ("F", "D"), "DF"),
-      _block("mlp.down_FxD", "mlp.down_proj", ("D", "F"), "FD"),
-  ]
-  out.append(Mapping(("final_norm", "scale"), "model.norm.weight", ("D",), "D"))
-  if not m.tie_embeddings:
-    out.append(Mapping(("head_DxV",), "lm_head.weight", ("V", "D"), "DV"))
-  return out
-
-
-def _moe_mappings() -> list[Mapping]:
-  """Mixtral's router and experts (X: the expert index; shardlab/hf/mixtral.py)."""
-  experts = "block_sparse_moe.experts." + mixtral.EXPERT
-  return [_block("moe.router_DxE", "block_sparse_moe.gate", ("X", "D"), "DX"),
-          _block("moe.gate_ExDxF", f"{experts}.w1", ("X", "F", "D"), "XDF"),
-          _block("moe.up_ExDxF", f"{experts}.w3", ("X", "F", "D"), "XDF"),
-          _block("moe.down_ExFxD", f"{experts}.w2", ("X", "D", "F"), "XFD")]
-
-
-def sizes(m: LlamaConfig) -> dict[str, int]:
-  return {"V": m.vocab_size, "D": m.d_model, "H": m.n_heads, "K": m.n_kv_heads,
-          "E": m.head_dim, "F": m.mlp_dim,
-          "X": m.n_experts if protocol.has(m, "n_experts") else 1}
-
-
-def reader(hf_dir, m) -> hf_files.Reader:
-  """The directory's tensors; a Mixtral's experts also as one stacked tensor each."""
-  found = hf_files.Reader(hf_dir)
-  return mixtral.ExpertReader(found, m.n_experts) if protocol.has(m, "n_experts") else found
 
 
 def hf_shape(mapping: Mapping, size: dict[str, int]) -> tuple[int, ...]:
@@ -142,11 +72,12 @@ def _set(tree: dict, path: tuple[str, ...], value) -> None:
   tree[path[-1]] = value
 
 
-def check_tensors(reader: hf_files.Reader, m: LlamaConfig, hf_dir) -> None:
+def check_tensors(reader: hf_files.Reader, m, hf_dir, family: Adapter | None = None) -> None:
   """Every tensor the model needs is there with the shape config.json implies, and nothing
   is left over (a leftover would mean weights this model would silently drop)."""
-  size, expected = sizes(m), {}
-  for mapping in mappings(m):
+  family = family or families.for_model(m)
+  size, expected = family.sizes(m), {}
+  for mapping in family.tensors(m):
     for name in mapping.hf_names(m.n_layers):
       expected[name] = hf_shape(mapping, size)
   problems = [f"  {name}: missing" for name in expected if name not in reader.tensors]
@@ -154,26 +85,27 @@ def check_tensors(reader: hf_files.Reader, m: LlamaConfig, hf_dir) -> None:
                f"{reader.tensors[name].file.name}, but config.json implies {shape}"
                for name, shape in expected.items()
                if name in reader.tensors and reader.tensors[name].shape != shape]
-  tied_head = {"lm_head.weight"} if m.tie_embeddings else set()
-  extra = sorted(n for n in reader.tensors if n not in expected and n not in tied_head
+  unread = family.unread(m)
+  extra = sorted(n for n in reader.tensors if n not in expected and n not in unread
                  and not n.endswith(IGNORED_SUFFIXES))
-  problems += [f"  {name}: not part of a Llama model with this config" for name in extra]
+  problems += [f"  {name}: not part of a {family.label} model with this config" for name in extra]
   if problems:
     raise ConfigError(f"the weights in {hf_dir} do not match its config.json "
                       f"({len(problems)} problems):\n" + "\n".join(problems[:20]) +
                       ("\n  ..." if len(problems) > 20 else ""))
 
 
-def load_params(hf_dir: str | Path, model: LlamaConfig, abstract: Abstract, sh: Shardings):
-  """Params of the HF Llama in `hf_dir`, each born on `sh.state.params` in the abstract
+def load_params(hf_dir: str | Path, model, abstract: Abstract, sh: Shardings):
+  """Params of the HF model in `hf_dir`, each born on `sh.state.params` in the abstract
   state's dtype. `model` (the run's model config) must compute what config.json does."""
-  hf_model = mixtral.to_model(hf_config.read(hf_dir), model.name,
-                              str(Path(hf_dir) / hf_config.CONFIG_FILE))
-  mixtral.check_matches(hf_model, model, hf_dir)
-  tensors = reader(hf_dir, model)
-  check_tensors(tensors, model, hf_dir)
-  size, params = sizes(model), {}
-  for mapping in mappings(model):
+  hf, where = hf_config.read(hf_dir), str(Path(hf_dir) / CONFIG_FILE)
+  hf_model = families.for_dir(hf, model, where).to_model(hf, model.name, where)
+  family = families.for_model(model)
+  family.check_matches(hf_model, model, hf_dir)
+  tensors = family.reader(hf_files.Reader(hf_dir), model)
+  check_tensors(tensors, model, hf_dir, family)
+  size, params = family.sizes(model), {}
+  for mapping in family.tensors(model):
     target = _at(abstract.state.params, mapping.param)
     names = mapping.hf_names(model.n_layers)
     letters = ("L" if mapping.stacked else "") + mapping.dims
@@ -196,22 +128,24 @@ def load_params(hf_dir: str | Path, model: LlamaConfig, abstract: Abstract, sh: 
 _layer = jax.jit(lambda x, i: jax.lax.dynamic_index_in_dim(x, i, keepdims=False))
 
 
-def export_params(params, model: LlamaConfig, hf_dir: str | Path, dtype: str = "float32",
+def export_params(params, model, hf_dir: str | Path, dtype: str = "float32",
                   max_shard_bytes: int = 4 * units.GiB) -> list[Path]:
   """Writes config.json and safetensors weights (sharded with an index past
-  `max_shard_bytes`) that transformers' LlamaForCausalLM.from_pretrained loads."""
+  `max_shard_bytes`) that transformers' from_pretrained loads (the class the model's
+  adapter names: LlamaForCausalLM, MixtralForCausalLM, ...)."""
   np_dtype = {"float32": np.dtype(np.float32), "bfloat16": hf_files.DTYPES["BF16"],
               "float16": np.dtype(np.float16)}.get(dtype)
   if np_dtype is None:
     raise ConfigError(f"unknown export dtype {dtype!r}; valid: bfloat16, float16, float32")
   out = Path(hf_dir)
   out.mkdir(parents=True, exist_ok=True)
-  size, entries, sources = sizes(model), [], {}
-  for mapping in mappings(model):
+  family = families.for_model(model)
+  size, entries, sources = family.sizes(model), [], {}
+  for mapping in family.tensors(model):
     for layer, name in enumerate(mapping.hf_names(model.n_layers)):
       shape, layer = hf_shape(mapping, size), layer if mapping.stacked else None
-      for expert in range(shape[0]) if mixtral.EXPERT in name else (None,):
-        entry = name if expert is None else name.replace(mixtral.EXPERT, str(expert))
+      for expert in range(shape[0]) if STACKED in name else (None,):
+        entry = name if expert is None else name.replace(STACKED, str(expert))
         entries.append((entry, np_dtype, shape if expert is None else shape[1:]))
         sources[entry] = (mapping, layer, expert)
 
@@ -238,10 +172,10 @@ def export_params(params, model: LlamaConfig, hf_dir: str | Path, dtype: str = "
     path.unlink(missing_ok=True)
   if len(groups) > 1:
     hf_files.write_index(out, weight_map, sum(nbytes.values()))
-  config = mixtral.from_model(model, dtype)
-  (out / hf_config.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+  config = family.to_hf(model, dtype)
+  (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
   (out / GENERATION_FILE).write_text(
-      json.dumps(hf_config.generation_config(model), indent=2) + "\n")
+      json.dumps(family.generation_config(model), indent=2) + "\n")
   return files
 
 

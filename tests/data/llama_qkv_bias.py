@@ -4,7 +4,8 @@ file: the exit test of the model contract (tests/test_protocol.py).
 The config subclasses LlamaConfig and registers under its own name; the module is llama's,
 its attention given three biases. Importing this file registers "llama-qkv-bias", after which
 a model file with `arch = "llama-qkv-bias"` loads (shardlab.models.registry.load) and trains
-like any bundled model.
+like any bundled model. Its Hugging Face adapter (transformers' Qwen2ForCausalLM) is the one
+file beside it, llama_qkv_bias_hf.py (tests/test_hf_adapters.py).
 """
 
 import dataclasses
