@@ -59,9 +59,10 @@ class Block(nnx.Module):
 
 
 def scan_blocks(blocks: nnx.Module, x_BxLxD, cache: KVCache | None, remat: str, *args,
-                stats: dict | None = None):
+                stats: dict | None = None, unroll: int = 1):
   """Applies the stacked `blocks` layer by layer (shardlab.parallel.scan: a lax.scan under
-  the remat policy, or the pipeline schedule when the rules split `layers` over `stage`);
+  the remat policy, `unroll` layers an iteration, or the pipeline schedule when the rules
+  split `layers` over `stage`);
   each layer is called as block(x, *args, layer_kv) -> (x, layer_kv[, stats]). Returns (x,
   the cache's new key/value stacks or None), and the `stats` summed over layers when given."""
   cache_kv = None if cache is None else (cache.k_NxBxSxKxE, cache.v_NxBxSxKxE)
@@ -70,8 +71,14 @@ def scan_blocks(blocks: nnx.Module, x_BxLxD, cache: KVCache | None, remat: str, 
     out = block(x, *layer_args, layer_kv)
     return out if stats is not None else (*out, None)
 
-  x, cache_kv, totals = parallel.scan(blocks, x_BxLxD, args, call, remat, cache_kv, stats)
+  x, cache_kv, totals = parallel.scan(blocks, x_BxLxD, args, call, remat, cache_kv, stats,
+                                      unroll)
   return (x, cache_kv) if stats is None else ((x, totals), cache_kv)
+
+
+def call_block(block, x_BxLxD, *args):
+  """One block without a cache, its output only: a pipeline_parts' layer call."""
+  return block(x_BxLxD, *args, None)[0]
 
 
 def logits(x_BxLxD, head_DxV):

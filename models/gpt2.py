@@ -12,7 +12,7 @@ from flax import nnx
 
 from shardlab import parallel
 from shardlab.models.decoder import ACTIVATIONS, Block, KVCache, attend, causal_mask, embed
-from shardlab.models.decoder import logits
+from shardlab.models.decoder import call_block, logits
 from shardlab.models.decoder import scan_blocks
 from shardlab.parallel import constrain, reduce_grads_early, stacked_param as _param
 
@@ -88,9 +88,9 @@ class GPT2(nnx.Module):
   """GPT-2 language model. `param_dtype` is the storage dtype of the parameters."""
 
   def __init__(self, cfg, rngs: nnx.Rngs, param_dtype=jnp.float32,
-               remat: str = "none"):
+               remat: str = "none", unroll: int = 1):
     self.cfg = cfg
-    self.remat = remat
+    self.remat, self.unroll = remat, unroll  # the layer scan's settings
     d = cfg.d_model
     self.wte_VxD = _param(rngs, (cfg.vocab_size, d), ("vocab", "embed"), d, param_dtype)
     self.wpe_PxD = _param(rngs, (cfg.max_seq_len, d), (None, "embed"), 10_000, param_dtype)
@@ -113,12 +113,26 @@ class GPT2(nnx.Module):
     x, cache = self._forward(tokens_BxL, cache)
     return logits(x, self.output_head()), cache
 
+  def pipeline_parts(self, tokens_BxL):
+    """What shardlab.parallel.pipeline_1f1b_loss runs (train.pipeline_schedule=1f1b): the
+    embedded tokens and positions, the blocks and their inputs, the head (final norm, the
+    tied output projection)."""
+    x = self._embed(tokens_BxL, 0)
+    args = (causal_mask(tokens_BxL.shape[1], None, 0), 0)
+    output = lambda head, y_BxLxD: (head[0](y_BxLxD), head[1][...].T)
+    return parallel.PipelineParts(x, self.blocks, args, call_block,
+                                  (self.final_norm, self.wte_VxD), output, self.remat,
+                                  self.unroll)
+
+  def _embed(self, tokens_BxL, start):
+    positions_L = jax.lax.dynamic_slice_in_dim(self.wpe_PxD[...], start, tokens_BxL.shape[1])
+    return embed(self.wte_VxD[...], tokens_BxL) + positions_L[None]
+
   def _forward(self, tokens_BxL, cache: KVCache | None):
     l = tokens_BxL.shape[1]
     start = 0 if cache is None else cache.index
-    positions_L = jax.lax.dynamic_slice_in_dim(self.wpe_PxD[...], start, l)
-    x = embed(self.wte_VxD[...], tokens_BxL) + positions_L[None]
+    x = self._embed(tokens_BxL, start)
     x, cache_kv = scan_blocks(self.blocks, x, cache, self.remat, causal_mask(l, cache, start),
-                              start)
+                              start, unroll=self.unroll)
     x = self.final_norm(x)
     return x, None if cache is None else KVCache(*cache_kv, start + l)

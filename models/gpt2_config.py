@@ -72,10 +72,11 @@ class GPT2Config:
   def mlp_dim(self) -> int:
     return 4 * self.d_model
 
-  def make(self, rngs: nnx.Rngs, param_dtype, remat: str = "none", lora=None) -> gpt2.GPT2:
+  def make(self, rngs: nnx.Rngs, param_dtype, remat: str = "none", lora=None,
+           unroll: int = 1) -> gpt2.GPT2:
     if lora is not None and lora.rank:
       raise ConfigError(f"model {self.name} ({self.arch}) offers no LoRA targets")
-    return gpt2.GPT2(self, rngs, param_dtype, remat)
+    return gpt2.GPT2(self, rngs, param_dtype, remat, unroll)
 
   def init_cache(self, batch: int, length: int, dtype) -> decoder.KVCache:
     return decoder.KVCache.zeros(self.n_layers, batch, length, self.n_heads, self.head_dim,

@@ -17,7 +17,7 @@ from flax import nnx
 from shardlab import parallel
 from shardlab.models import rope
 from shardlab.models.decoder import ACTIVATIONS, Block, KVCache, attend, causal_mask, embed
-from shardlab.models.decoder import logits
+from shardlab.models.decoder import call_block, logits
 from shardlab.models.decoder import scan_blocks
 from shardlab.parallel import constrain, reduce_grads_early, stacked_param as _param
 from shardlab.parallel import swiglu  # noqa: F401 (models.llama.swiglu, as before)
@@ -166,14 +166,15 @@ def block(cfg, dtype, rngs: nnx.Rngs, stack=(), lora_cfg=None, attention=None) -
 
 class Llama(nnx.Module):
   """Decoder-only Transformer. `param_dtype` is the storage dtype of the parameters;
-  `lora_cfg` (a LoraConfig with rank > 0) adds adapters to its targets (parallel/lora.py)."""
+  `lora_cfg` (a LoraConfig with rank > 0) adds adapters to its targets (parallel/lora.py);
+  `remat` and `unroll` are its layer scan's settings (shardlab.parallel.scan)."""
 
   ATTENTION = Attention  # a variant's own attention class (a subclass overriding `project`)
 
   def __init__(self, cfg, rngs: nnx.Rngs, param_dtype=jnp.float32,
-               remat: str = "none", lora_cfg=None):
+               remat: str = "none", lora_cfg=None, unroll: int = 1):
     self.cfg = cfg
-    self.remat = remat
+    self.remat, self.unroll = remat, unroll
     d, v = cfg.d_model, cfg.vocab_size
     # Tied: the table is also the output projection, so it is scaled like one (logits ~ 1).
     self.embed_VxD = _param(rngs, (v, d), ("vocab", "embed"), d, param_dtype)
@@ -204,9 +205,25 @@ class Llama(nnx.Module):
     x, cache = self._forward(tokens_BxL, None, cache)
     return logits(x, self.output_head()), cache
 
+  def pipeline_parts(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None):
+    """What shardlab.parallel.pipeline_1f1b_loss runs (train.pipeline_schedule=1f1b, which
+    owns the loss): the embedded tokens, the blocks and their inputs, and the head (final
+    norm, output projection). Same inputs as `hidden`."""
+    x, layer_args, restore, _ = self._inputs(tokens_BxL, positions_BxL, None, segment_ids_BxL)
+    tied = self.cfg.tie_embeddings
+    weight = self.embed_VxD if tied else self.head_DxV
+
+    def output(head, y_BxLxD):
+      norm, w = head
+      return restore(norm(y_BxLxD)), w[...].T if tied else w[...]
+
+    return parallel.PipelineParts(x, self.blocks, layer_args, call_block,
+                                  (self.final_norm, weight), output, self.remat, self.unroll)
+
   def _forward(self, tokens_BxL, positions_BxL, cache: KVCache | None, segments_BxL=None):
     x, layer_args, restore, end = self._inputs(tokens_BxL, positions_BxL, cache, segments_BxL)
-    x, cache_kv = scan_blocks(self.blocks, x, cache, self.remat, *layer_args)
+    x, cache_kv = scan_blocks(self.blocks, x, cache, self.remat, *layer_args,
+                              unroll=self.unroll)
     x = restore(self.final_norm(x))
     return x, None if cache is None else KVCache(*cache_kv, end)
 

@@ -96,9 +96,12 @@ class LlamaConfig:
       raise ConfigError(f"model.eos_token_ids must be comma-separated integers, got "
                         f"{self.eos_token_ids!r}") from None
 
-  def make(self, rngs: nnx.Rngs, param_dtype, remat: str = "none", lora=None) -> llama.Llama:
-    """The module; `lora` (a LoraConfig with rank > 0) adds adapters to its targets."""
-    return llama.Llama(self, rngs, param_dtype, remat, lora if lora and lora.rank else None)
+  def make(self, rngs: nnx.Rngs, param_dtype, remat: str = "none", lora=None,
+           unroll: int = 1) -> llama.Llama:
+    """The module; `lora` (a LoraConfig with rank > 0) adds adapters to its targets;
+    `remat` and `unroll` are its layer scan's settings."""
+    return llama.Llama(self, rngs, param_dtype, remat, lora if lora and lora.rank else None,
+                       unroll)
 
   def init_cache(self, batch: int, length: int, dtype) -> decoder.KVCache:
     return decoder.KVCache.zeros(self.n_layers, batch, length, self.n_kv_heads, self.head_dim,

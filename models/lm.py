@@ -9,14 +9,20 @@ ids, and a target in another document than its input (or padding) does not count
 A model with `hidden_and_losses` (same inputs; returns the stream, an auxiliary loss and a
 dict of metrics: models/moe.py) has its auxiliary loss added, and the loss comes back as
 (loss, metrics) with the cross-entropy among the metrics.
+Under train.pipeline_schedule=1f1b the schedule owns the loss: the module's optional
+`pipeline_parts` (same inputs as `hidden`) hands it the embedded tokens, the layer stack and
+the head (shardlab.parallel.pipeline_1f1b_loss).
 """
 
 import inspect
 
+import jax
 import jax.numpy as jnp
 
 from shardlab.errors import ConfigError
+from shardlab.models.decoder import logits as logits_of
 from shardlab.parallel import cross_entropy, document_positions
+from shardlab.parallel import pipeline_1f1b_active, pipeline_1f1b_loss
 
 BATCH_KEYS = ("tokens", "segment_ids", "positions")
 
@@ -24,6 +30,8 @@ BATCH_KEYS = ("tokens", "segment_ids", "positions")
 def next_token_loss(model, batch, chunk: int = 0):
   """Mean next-token cross-entropy (fp32) over the counted targets of a batch (plus the
   model's auxiliary loss, if it has one)."""
+  if pipeline_1f1b_active():
+    return _pipelined_loss(model, batch, chunk)
   if not hasattr(model, "hidden_and_losses"):
     return _cross_entropy_loss(model, model.hidden, batch, chunk)
   extra = []
@@ -56,7 +64,35 @@ def _cross_entropy_loss(model, hidden, batch, chunk: int):
   positions = batch.get("positions")
   if positions is None:
     positions = document_positions(segments)
-  x_BxLxD = hidden(tokens[:, :-1], positions[:, :-1], segments[:, :-1])
   counted = (segments[:, 1:] == segments[:, :-1]) & (segments[:, :-1] > 0)
-  return cross_entropy(x_BxLxD, model.output_head(), tokens[:, 1:], chunk,
-                       counted.astype(jnp.float32))
+  return ((tokens[:, :-1], positions[:, :-1], segments[:, :-1]), tokens[:, 1:],
+          counted.astype(jnp.float32))
+
+
+def _pipelined_loss(model, batch, chunk: int):
+  """The loss by the 1F1B schedule (train.pipeline_schedule=1f1b), which owns it: the model
+  hands over its parts (`pipeline_parts`, shardlab.models.protocol)."""
+  parts_of = getattr(model, "pipeline_parts", None)
+  if parts_of is None:
+    raise ConfigError(f"train.pipeline_schedule=1f1b needs the model's pipeline_parts (an "
+                      f"optional member of shardlab.models.protocol), which "
+                      f"{type(model).__name__} does not give; use train.pipeline_schedule="
+                      f"gpipe")
+  inputs, targets_BxL, weights_BxL = _unpack(model, batch)
+  parts = parts_of(*inputs)
+  run = lambda head_loss, targets: pipeline_1f1b_loss(
+      parts.layers, parts.x, parts.head, head_loss, targets, *parts.args, call=parts.call,
+      remat=parts.remat, unroll=parts.unroll)
+  if weights_BxL is None:  # every microbatch counts as many targets: the mean of means
+    return run(lambda head, y, t: cross_entropy(*parts.output(head, y), t, chunk),
+               targets_BxL)
+
+  # Counted targets differ between microbatches: each microbatch's loss is its weighted sum
+  # over b rows with weights scaled by B / (all counted), so their mean is the batch's.
+  def weighted(head, y_bxLxD, t):
+    w_bxL = t["weights"]
+    mean = cross_entropy(*parts.output(head, y_bxLxD), t["targets"], chunk, w_bxL)
+    return mean * jnp.maximum(w_bxL.sum(), 1.0) / y_bxLxD.shape[0]
+
+  scale = weights_BxL.shape[0] / jnp.maximum(weights_BxL.sum(), 1.0)
+  return run(weighted, {"targets": targets_BxL, "weights": weights_BxL * scale})

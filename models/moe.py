@@ -35,9 +35,14 @@ class MoE(Llama):
   """Decoder-only Transformer with mixture-of-experts MLPs (the Llama interface, plus
   `hidden_and_losses`)."""
 
-  def __init__(self, cfg, rngs: nnx.Rngs, param_dtype=jnp.float32, remat: str = "none"):
+  # No 1F1B: its layers return router statistics, which no pipeline carries (refused at setup
+  # with the same message as GPipe's).
+  pipeline_parts = None
+
+  def __init__(self, cfg, rngs: nnx.Rngs, param_dtype=jnp.float32, remat: str = "none",
+               unroll: int = 1):
     self.cfg = cfg
-    self.remat = remat
+    self.remat, self.unroll = remat, unroll  # the layer scan's settings
     d, v = cfg.d_model, cfg.vocab_size
     self.embed_VxD = _param(rngs, (v, d), ("vocab", "embed"), d, param_dtype)
     self.blocks = MoEBlock(cfg, param_dtype, rngs, stack=(cfg.n_layers,))
@@ -62,6 +67,6 @@ class MoE(Llama):
     x, layer_args, restore, end = self._inputs(tokens_BxL, positions_BxL, cache, segments_BxL)
     zeros = {k: 0.0 for k in experts.STATS}
     (x, totals), cache_kv = scan_blocks(self.blocks, x, cache, self.remat, *layer_args,
-                                        stats=zeros)
+                                        stats=zeros, unroll=self.unroll)
     x = restore(self.final_norm(x))
     return x, None if cache is None else KVCache(*cache_kv, end), totals

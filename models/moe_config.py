@@ -72,10 +72,11 @@ class MoEConfig(LlamaConfig):
   def saved_matmul_outputs(self) -> dict:
     return {"d": 1, "q": 1, "kv": 2, "mlp": 2 * self.experts_per_token}
 
-  def make(self, rngs: nnx.Rngs, param_dtype, remat: str = "none", lora=None) -> moe.MoE:
+  def make(self, rngs: nnx.Rngs, param_dtype, remat: str = "none", lora=None,
+           unroll: int = 1) -> moe.MoE:
     if lora is not None and lora.rank:
       raise ConfigError(f"model {self.name} ({self.arch}) offers no LoRA targets")
-    return moe.MoE(self, rngs, param_dtype, remat)
+    return moe.MoE(self, rngs, param_dtype, remat, unroll)
 
   def axis_sizes(self) -> dict:
     return {**super().axis_sizes(), "experts": self.n_experts}

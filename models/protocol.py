@@ -36,8 +36,9 @@ REQUIRED = {
     "head_dim": "one head's width (the KV cache, the planner)",
     "mlp_dim": "the feed-forward's width (the planner)",
     "tie_embeddings": "whether the output head is the token table",
-    "make": "(rngs, param_dtype, remat, lora=None) -> the nnx.Module, with hidden(), "
-            "output_head() and extend(tokens, cache)",
+    "make": "(rngs, param_dtype, remat, lora=None, unroll=1) -> the nnx.Module, with "
+            "hidden(), output_head() and extend(tokens, cache); remat and unroll are its layer "
+            "scan's settings (train.remat, train.scan_unroll)",
     "init_cache": "(batch, length, dtype) -> its KV cache",
     "activations": "logical names of the activations it constrains (kv_cache among them)",
     "no_weight_decay": "param names exempt from weight decay",
@@ -52,7 +53,7 @@ REQUIRED = {
 }
 # The methods among REQUIRED and the arguments the core calls them with.
 SIGNATURES = {
-    "make": ((None, None, "none"), {"lora": None}),
+    "make": ((None, None, "none"), {"lora": None, "unroll": 1}),
     "init_cache": ((1, 1, None), {}),
     "axis_sizes": ((), {}),
     "flops_per_token": ((1,), {}),
@@ -92,6 +93,13 @@ OPTIONAL = {
     "n_active_params": OptionalMember("the parameters one token runs through",
                                       "every parameter (a dense model)", lambda m: m.n_params),
 }
+# Optional members of the module `make` returns, read only where a setting asks for them.
+MODULE_OPTIONAL = {
+    "pipeline_parts": OptionalMember(
+        "(the inputs `hidden` takes) -> shardlab.parallel.PipelineParts: the embedded tokens, "
+        "the stacked layers and the head, for the 1F1B schedule, which owns the loss",
+        "train.pipeline_schedule=1f1b is refused for it (gpipe runs it)"),
+}
 # A mixture of experts (a config with n_experts) gives all of these.
 EXPERTS = ("n_experts", "experts_per_token", "n_active_params", "n_expert_params", "dispatch",
            "capacity")
@@ -119,7 +127,7 @@ class ModelConfig(Protocol):
   lora_targets: tuple[str, ...]
   lora_weights: Mapping[str, str]
 
-  def make(self, rngs, param_dtype, remat: str = "none", lora=None) -> Any: ...
+  def make(self, rngs, param_dtype, remat: str = "none", lora=None, unroll: int = 1) -> Any: ...
 
   def init_cache(self, batch: int, length: int, dtype) -> Any: ...
 
@@ -193,6 +201,23 @@ def get(model, member: str):
       f"{getattr(model, 'name', '?')!r} ({type(model).__name__}, arch "
       f"{getattr(model, 'arch', '?')!r}) does not give; compile the step instead (--compile), "
       f"or add {member} to its config")
+
+
+def module_has(module, member: str) -> bool:
+  """Whether `module` (what a config's `make` returns) gives the MODULE_OPTIONAL `member`
+  (a class attribute of None says it does not, as a subclass opting out does)."""
+  if member not in MODULE_OPTIONAL:
+    raise KeyError(f"{member!r} is not an optional module member; valid: "
+                   f"{', '.join(MODULE_OPTIONAL)}")
+  return getattr(module, member, None) is not None
+
+
+def require_module_member(module, member: str, setting: str) -> None:
+  """A ConfigError naming `member`, `module`'s class and `setting` when it lacks it."""
+  if not module_has(module, member):
+    spec = MODULE_OPTIONAL[member]
+    raise ConfigError(f"{setting} needs the model's module to give {member} ({spec.what}); "
+                      f"{type(module).__name__} does not, so {spec.missing}")
 
 
 # ---- the registry ------------------------------------------------------------------------

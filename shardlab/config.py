@@ -19,6 +19,7 @@ class TrainConfig:
   seq_len: int = 128
   microbatches: int = 1
   pipeline_repeats: int = 1  # layer groups per pipeline stage: 1 GPipe, > 1 circular
+  pipeline_schedule: str = "gpipe"  # or "1f1b" (docs/pipeline.md; repeats 1, set-up checks)
   loss_chunk: int = 0  # positions per logits chunk in the loss (0: whole sequence)
   optimizer: str = "adamw"
   lr: float = 3e-3
@@ -68,10 +69,9 @@ class TrainConfig:
                         f"train.microbatches ({self.microbatches})")
     choices = {"optimizer": ("adamw", "adafactor", "sgd"),
                "precision": ("auto", "fp32", "bf16", "bf16-params"),
-               "grad_dtype": ("auto", "fp32", "bf16"),
+               "grad_dtype": ("auto", "fp32", "bf16"), "offload": ("none", "opt_state"),
                "remat": ("none", "full", "save-matmul-outputs", "offload"),
-               "offload": ("none", "opt_state"),
-               "nonfinite": ("stop", "skip")}
+               "nonfinite": ("stop", "skip"), "pipeline_schedule": ("gpipe", "1f1b")}
     for f, valid in choices.items():
       if getattr(self, f) not in valid:
         raise unknown(f"train.{f}", getattr(self, f), valid)

@@ -118,7 +118,7 @@ def minimal(without=(), **changed) -> type:
       n_heads=1, n_kv_heads=1, head_dim=1, mlp_dim=1, tie_embeddings=True, activations={},
       no_weight_decay=(), remat_policies=("none",), n_params=0, n_layer_params=0,
       lora_targets=(), lora_weights={},
-      make=lambda self, rngs, param_dtype, remat="none", lora=None: None,
+      make=lambda self, rngs, param_dtype, remat="none", lora=None, unroll=1: None,
       init_cache=lambda self, batch, length, dtype: None, axis_sizes=lambda self: {},
       flops_per_token=lambda self, seq_len: 0.0, n_lora_params=lambda self, lora: 0)
   assert set(members) == set(protocol.REQUIRED)
@@ -132,7 +132,8 @@ def test_register_refuses_a_config_that_breaks_the_contract():
     with pytest.raises(ConfigError, match=rf"Minimal does not keep .*\n  missing {member}: "):
       protocol.register("minimal")(minimal(without=(member,)))
   with pytest.raises(ConfigError, match=r"make\(self, rngs, param_dtype, remat\).*cannot be "
-                                        r"called as make\(None, None, 'none', lora=None\)"):
+                                        r"called as make\(None, None, 'none', lora=None, "
+                                        r"unroll=1\)"):
     protocol.register("minimal")(minimal(make=lambda self, rngs, param_dtype, remat: None))
   with pytest.raises(ConfigError, match="n_params must be a value or a property"):
     protocol.register("minimal")(minimal(n_params=lambda self: 0))
@@ -158,6 +159,19 @@ def test_optional_members_have_stated_meanings():
     protocol.has(gpt2, "n_params")
 
 
+def test_optional_module_members_have_stated_meanings():
+  """pipeline_parts (train.pipeline_schedule=1f1b): llama, its variants and GPT-2 give it; a
+  mixture of experts opts out (a pipeline does not carry its router statistics)."""
+  made = {arch: type(nnx.eval_shape(lambda: small(arch).make(nnx.Rngs(0), jnp.float32)))
+          for arch in SMALL}
+  offered = {a for a, cls in made.items() if protocol.module_has(cls, "pipeline_parts")}
+  assert {"llama", "gpt2", "llama-qkv-bias"} <= offered, offered
+  assert not {a for a in made if protocol.has(small(a), "n_experts")} & offered, offered
+  assert not set(protocol.MODULE_OPTIONAL) & (set(protocol.OPTIONAL) | set(protocol.REQUIRED))
+  with pytest.raises(KeyError, match="not an optional module member"):
+    protocol.module_has(made["llama"], "hidden")
+
+
 class Lacking:
   """A model config without some members (as a new architecture might be)."""
 
@@ -172,7 +186,8 @@ class Lacking:
 
 @pytest.mark.parametrize("member", ["saved_activations", "attention"])
 def test_the_planner_refuses_a_model_without_what_it_needs(member):
-  req = planner.Request(model="tiny", strategy="fsdp", devices=8, global_batch=8, seq_len=64)
+  req = planner.Request.of(model="tiny", strategy="fsdp", devices=8, global_batch=8,
+                           seq_len=64)
   model = Lacking(small("llama"), member)
   acc = hardware.get(req.target)
   with pytest.raises(ConfigError, match=rf"the analytic planner needs model\.{member} .*"

@@ -1,4 +1,5 @@
-"""train.scan_unroll changes how a step loops over the layers, not what it computes: unrolled
+"""train.scan_unroll (given to the model when it is built, with train.remat: the layer scan's
+settings) changes how a step loops over the layers, not what it computes: unrolled
 train steps (llama, and a mixture of experts, whose scan also carries the router statistics)
 end in the params, optimizer state and metrics of the scanned steps, the eval loss is the
 same, and neither compiled program keeps a layer loop."""

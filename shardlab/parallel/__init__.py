@@ -5,7 +5,7 @@ are built from these names only.
 
     from shardlab import parallel as slp
     out = slp.attention(q, k, v, segment_ids=seg, impl="auto")   # flash / ring / cuDNN / splash
-    x = slp.scan_layers(self.blocks, x, remat="full")            # scan, remat, or a pipeline
+    x = slp.scan_layers(self.blocks, x, remat="full", unroll=1)  # scan, remat, or a pipeline
     y, kept = slp.experts(x, ids, weights, (gate, up, down), "dropless", 1.0)
     loss = slp.cross_entropy(hidden, head, targets, chunk=512)
 
@@ -30,15 +30,18 @@ from shardlab.parallel.routing import route, router_stats
 from shardlab.parallel.scan import LAYER_INPUT, REMAT_POLICIES, scan, scan_layers
 from shardlab.parallel.schedule_1f1b import loss as pipeline_1f1b
 from shardlab.parallel.schedule_1f1b import value_and_grads as pipeline_1f1b_grads
+from shardlab.parallel.stack_1f1b import PipelineParts, pipeline_1f1b_loss
+from shardlab.parallel.stack_1f1b import active as pipeline_1f1b_active
 from shardlab.sharding.activations import constrain, current, platform, step_context
 from shardlab.sharding.params import param, stacked_param
 
 __all__ = [
     "ACTIVATIONS", "ATTENTION_IMPLEMENTATIONS", "Adapter", "DISPATCH_MODES", "KV_EXCHANGES",
-    "LAYER_INPUT", "LORA_PREFIX", "LoraWeight", "REMAT_POLICIES", "adapter_rngs", "add_lora",
-    "attend", "attention", "causal_mask", "constrain", "cross_entropy", "current",
-    "document_positions", "einsum", "experts", "is_context_parallel", "lora_adapter",
-    "lora_einsum", "lora_frozen", "lora_project", "merge_lora", "param", "pipeline_1f1b",
-    "pipeline_1f1b_grads", "platform", "reduce_grads_early", "route", "router_stats", "scan",
+    "LAYER_INPUT", "LORA_PREFIX", "LoraWeight", "PipelineParts", "REMAT_POLICIES",
+    "adapter_rngs", "add_lora", "attend", "attention", "causal_mask", "constrain",
+    "cross_entropy", "current", "document_positions", "einsum", "experts",
+    "is_context_parallel", "lora_adapter", "lora_einsum", "lora_frozen", "lora_project",
+    "merge_lora", "param", "pipeline_1f1b", "pipeline_1f1b_active", "pipeline_1f1b_grads",
+    "pipeline_1f1b_loss", "platform", "reduce_grads_early", "route", "router_stats", "scan",
     "scan_layers", "stacked_param", "step_context", "swiglu", "swiglu_expert", "zigzag",
 ]

@@ -36,8 +36,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from shardlab.errors import ConfigError
+from shardlab.errors import ConfigError, unknown
 from shardlab.sharding import activations
+
+# train.pipeline_schedule: "gpipe" runs in the layer scan (circular with repeats > 1); "1f1b"
+# owns the loss (parallel/schedule_1f1b.py, through parallel/stack_1f1b.py).
+SCHEDULES = ("gpipe", "1f1b")
 
 
 def stages(n_layers: int):
@@ -71,6 +75,16 @@ def check(n_layers: int, n_stages: int, repeats: int, microbatches: int,
         f"a circular pipeline (train.pipeline_repeats={repeats}) needs train.microbatches "
         f">= the stages ({n_stages}), got {microbatches}; raise train.microbatches to "
         f"{n_stages} or more, or set train.pipeline_repeats=1 (GPipe)")
+
+
+def check_schedule(schedule: str, repeats: int) -> None:
+  """train.pipeline_schedule is one of SCHEDULES, and 1F1B runs one layer group per stage."""
+  if schedule not in SCHEDULES:
+    raise unknown("train.pipeline_schedule", schedule, SCHEDULES)
+  if schedule == "1f1b" and repeats > 1:
+    raise ConfigError(f"train.pipeline_schedule=1f1b runs one layer group per stage; "
+                      f"train.pipeline_repeats={repeats} (a circular schedule) is GPipe's "
+                      f"only: set train.pipeline_repeats=1, or train.pipeline_schedule=gpipe")
 
 
 def check_microbatches(batch: int, microbatches: int, name: str = "the batch") -> None:
@@ -141,7 +155,7 @@ def occupancy(n_stages: int, microbatches: int, repeats: int = 1):
   return _slot(t, jnp.arange(n_stages)[None, :], microbatches, repeats)
 
 
-def _per_row(leaf, batch: int) -> bool:
+def per_row(leaf, batch: int) -> bool:
   """Per-row layer inputs (positions, rope tables, segment ids) lead with the batch; the
   boolean causal mask (L×M) is shared by every row."""
   return hasattr(leaf, "ndim") and leaf.ndim >= 1 and leaf.shape[0] == batch and (
@@ -168,7 +182,7 @@ def run(layer, stacked, x_BxLxD, args: tuple, where, microbatches: int, repeats:
   groups = jax.tree.map(lambda p: p.reshape(repeats, n_stages, per_group, *p.shape[1:]),
                         stacked)
   args = jax.tree.map(jnp.asarray, args)  # a Python cache index of 0 becomes an array
-  rows = [_per_row(leaf, batch) for leaf in jax.tree.leaves(args)]
+  rows = [per_row(leaf, batch) for leaf in jax.tree.leaves(args)]
   treedef = jax.tree.structure(args)
   leaves = [_split(leaf, microbatches) if r else leaf
             for leaf, r in zip(jax.tree.leaves(args), rows)]
@@ -243,9 +257,12 @@ def layers_per_stage(n_layers: int, n_stages: int, repeats: int = 1) -> list[lis
           for s in range(n_stages)]
 
 
-def describe(n_layers: int, n_stages: int, repeats: int, microbatches: int) -> str:
+def describe(n_layers: int, n_stages: int, repeats: int, microbatches: int,
+             schedule: str = "gpipe") -> str:
   kind = "gpipe" if repeats == 1 else f"circular×{repeats}"
+  loop = f"{iterations(n_stages, microbatches, repeats)} iterations"
+  if schedule == "1f1b":  # 2(M + S − 1) ticks of one forward or backward each
+    kind, loop = "1f1b", f"{2 * iterations(n_stages, microbatches)} ticks"
   return (f"{kind}: {n_stages} stages × {n_layers // n_stages} layers, {microbatches} "
-          f"microbatches, {iterations(n_stages, microbatches, repeats)} iterations, bubble "
-          f"{bubble(n_stages, microbatches, repeats):.1%}")
+          f"microbatches, {loop}, bubble {bubble(n_stages, microbatches, repeats):.1%}")
 

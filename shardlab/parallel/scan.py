@@ -4,7 +4,9 @@ time does not grow with depth, under a named remat policy — or, when the step'
 
 A stack is any NNX module whose params lead with the layer dim (built with
 `stacked_param(..., stack=(n,))`, or `nnx.vmap` with `transform_metadata=
-{nnx.PARTITION_NAME: "layers"}`). The step's `train.scan_unroll` sets the scan's unroll.
+{nnx.PARTITION_NAME: "layers"}`). `remat` and `unroll` are the scan's own settings, given by
+the model that owns the stack (a bundled model gets train.remat and train.scan_unroll when it
+is built), so the same module steps the same way inside a train step and outside one.
 """
 
 from typing import Callable
@@ -14,10 +16,10 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
-from shardlab.errors import unknown
+from shardlab.errors import ConfigError, unknown
 import shardlab.parallel.context as context
 import shardlab.parallel.pipeline as pipeline
-from shardlab.sharding.activations import pipeline_schedule, scan_unroll
+from shardlab.sharding.activations import pipeline_schedule, step_context
 
 LAYER_INPUT = "layer_input"  # the checkpoint_name of a layer's input (remat "offload")
 
@@ -38,20 +40,25 @@ REMAT_POLICIES = {
 Call = Callable[[nnx.Module, jax.Array, tuple, object], tuple]
 
 
-def scan_layers(layers: nnx.Module, x, *args, remat: str = "none"):
+def scan_layers(layers: nnx.Module, x, *args, remat: str = "none", unroll: int = 1):
   """`layer(x, *args) -> x` for each layer of the stack in order; `args` are the same for
   every layer (inputs leading with the batch are split into a pipeline's microbatches)."""
-  return scan(layers, x, args, lambda layer, h, a, _: (layer(h, *a), None, None), remat)[0]
+  return scan(layers, x, args, lambda layer, h, a, _: (layer(h, *a), None, None), remat,
+              unroll=unroll)[0]
 
 
 def scan(layers: nnx.Module, x, args: tuple, call: Call, remat: str = "none",
-         per_layer=None, stats: dict | None = None):
+         per_layer=None, stats: dict | None = None, unroll: int = 1):
   """(x, the stacked new per-layer slices, `stats` summed over the layers). `call` applies
   one layer: given the layer, x, `args` and its slice of `per_layer` (a tree whose leaves
   lead with the layer dim, e.g. a KV cache; None without one), it returns x, the new slice
-  and a dict of scalars to add to `stats` (None when `stats` is None)."""
+  and a dict of scalars to add to `stats` (None when `stats` is None). `unroll`: layers per
+  iteration of the lax.scan (train.scan_unroll; the layer count unrolls it whole)."""
   if remat not in REMAT_POLICIES:
     raise unknown("train.remat", remat, REMAT_POLICIES)
+  if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
+    raise ConfigError(f"the layer scan's unroll (train.scan_unroll) must be an int >= 1, "
+                      f"got {unroll!r}")
   graphdef, stacked = nnx.split(layers)
   where = pipeline.stages(jax.tree.leaves(stacked)[0].shape[0])
   if per_layer is None and where is not None:  # the rules split `layers` over `stage`
@@ -71,8 +78,7 @@ def scan(layers: nnx.Module, x, args: tuple, call: Call, remat: str = "none",
   if remat != "none":
     body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
   zeros = None if stats is None else {k: jnp.asarray(v, jnp.float32) for k, v in stats.items()}
-  (x, totals), out = jax.lax.scan(body, (x, zeros), (stacked, per_layer),
-                                  unroll=scan_unroll())
+  (x, totals), out = jax.lax.scan(body, (x, zeros), (stacked, per_layer), unroll=unroll)
   return x, out, totals
 
 
@@ -82,6 +88,11 @@ def _pipelined(graphdef, stacked, x, args, call: Call, remat: str, where, stats)
   cp = context.split(context.RESIDUAL, x.shape)
   pipeline.check_combination(where[2], remat=remat, context=1 if cp is None else cp[3],
                              layer_stats=None if stats is None else "this model's layers")
+  if step_context().schedule == "1f1b":
+    raise ConfigError("train.pipeline_schedule=1f1b owns the loss, but this model's layer scan "
+                      "reached the pipeline by itself; its loss must run the layers through "
+                      "shardlab.parallel.pipeline_1f1b_loss (a bundled model: by its "
+                      "pipeline_parts), or set train.pipeline_schedule=gpipe")
 
   def stage_layer(h, layer_state, layer_args):
     return call(nnx.merge(graphdef, layer_state), h, layer_args, None)[0]

@@ -42,6 +42,7 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.sharding import Mesh, PartitionSpec
 
 from shardlab.errors import ConfigError
+from shardlab.parallel.pipeline import per_row
 
 IDLE, FORWARD, BACKWARD, LOSS_BACKWARD, STORE = range(5)
 
@@ -99,13 +100,16 @@ def _merge(leaf):
 
 def value_and_grads(stage_fn: Callable, stage_params, x_BxLxD, loss_fn: Callable, loss_params,
                     targets, *, mesh: Mesh, axis: str, microbatches: int,
-                    input_grad: bool = True):
+                    input_grad: bool = True, stage_args: tuple = ()):
   """(mean over microbatches of loss_fn, (grads of stage_params, of loss_params, of x or
   None)) by the 1F1B schedule over the mesh axis `axis`.
 
-  stage_fn(params, h_bxLxD) -> h_bxLxD runs one stage; stage_params' leaves lead with the
-  S stages (stage-sharded on `axis`). loss_fn(loss_params, y_bxLxD, targets_b) -> scalar mean
-  loss of one microbatch. targets' leaves lead with the batch B, as x does."""
+  stage_fn(params, h_bxLxD, *stage_args) -> h_bxLxD runs one stage; stage_params' leaves
+  lead with the S stages (stage-sharded on `axis`). stage_args: the stage's other inputs
+  (positions, rope tables, segment ids, a mask), given no gradient; a leaf leading with the
+  batch B (not boolean) is split into microbatches as x is, any other is shared.
+  loss_fn(loss_params, y_bxLxD, targets_b) -> scalar mean loss of one microbatch. targets'
+  leaves lead with the batch B, as x does."""
   n_stages = mesh.shape[axis]
   check(n_stages, microbatches, x_BxLxD.shape[0])
   for path, leaf in jax.tree_util.tree_leaves_with_path(stage_params):
@@ -114,15 +118,21 @@ def value_and_grads(stage_fn: Callable, stage_params, x_BxLxD, loss_fn: Callable
                         f"its leading dim must be the {n_stages} stages of mesh axis {axis!r}")
   x_bxMxLxD = _split(x_BxLxD, microbatches)
   targets = jax.tree.map(lambda leaf: _split(leaf, microbatches), targets)
+  stage_args = jax.tree.map(jnp.asarray, stage_args)  # a Python cache index of 0
+  rows = [per_row(leaf, x_BxLxD.shape[0]) for leaf in jax.tree.leaves(stage_args)]
+  args = jax.tree.unflatten(jax.tree.structure(stage_args), [
+      _split(leaf, microbatches) if r else leaf
+      for leaf, r in zip(jax.tree.leaves(stage_args), rows)])
   local = functools.partial(_local, stage_fn=stage_fn, loss_fn=loss_fn, axis=axis,
-                            n_stages=n_stages, input_grad=input_grad)
+                            n_stages=n_stages, input_grad=input_grad, rows=rows)
   stage_spec = jax.tree.map(lambda _: PartitionSpec(axis), stage_params)
   out_specs = (PartitionSpec(), (stage_spec, PartitionSpec(),
                                  PartitionSpec() if input_grad else None))
   loss, (g_stage, g_loss, g_x) = jax.shard_map(
       local, mesh=mesh, in_specs=(stage_spec, PartitionSpec(), PartitionSpec(),
-                                  PartitionSpec()),
-      out_specs=out_specs, axis_names={axis})(stage_params, loss_params, x_bxMxLxD, targets)
+                                  PartitionSpec(), PartitionSpec()),
+      out_specs=out_specs, axis_names={axis})(stage_params, loss_params, x_bxMxLxD, targets,
+                                              args)
   return loss, (g_stage, g_loss, None if g_x is None else _merge(g_x))
 
 
@@ -144,8 +154,8 @@ def _put(buffer, i, value, axis: int = 0):
   return jax.lax.dynamic_update_index_in_dim(buffer, value, i, axis)
 
 
-def _local(stage_params, loss_params, x_bxMxLxD, targets, *, stage_fn, loss_fn, axis,
-           n_stages, input_grad):
+def _local(stage_params, loss_params, x_bxMxLxD, targets, args, *, stage_fn, loss_fn, axis,
+           n_stages, input_grad, rows):
   """One stage's side of the schedule (inside shard_map over `axis`)."""
   n_micro = x_bxMxLxD.shape[1]
   stage = jax.lax.axis_index(axis)
@@ -169,8 +179,11 @@ def _local(stage_params, loss_params, x_bxMxLxD, targets, *, stage_fn, loss_fn, 
     ring = _put(ring, slot, jnp.where(stores, fresh, _get(ring, slot)))
     h = jnp.where(stores, fresh, _get(ring, slot))
     step_targets = jax.tree.map(lambda t: _get(t, m, 1), targets)
+    step_args = jax.tree.unflatten(jax.tree.structure(args), [
+        _get(leaf, m, 1) if r else leaf for leaf, r in zip(jax.tree.leaves(args), rows)])
     # A switch, not masks: each device runs only its own op (stages differ at every tick).
-    y, gh, gp, gl, step_loss = jax.lax.switch(op, branches, h, recv_g, step_targets)
+    y, gh, gp, gl, step_loss = jax.lax.switch(op, branches, h, recv_g, step_targets,
+                                              step_args)
     g_params = jax.tree.map(jnp.add, g_params, gp)
     g_loss = jax.tree.map(jnp.add, g_loss, gl)
     if input_grad:  # stage 0's input cotangent is the gradient of x
@@ -192,23 +205,25 @@ def _local(stage_params, loss_params, x_bxMxLxD, targets, *, stage_fn, loss_fn, 
 
 
 def _branches(stage_fn, loss_fn, params, loss_params, n_micro, axis):
-  """The ops a tick can run, indexed by the op codes: each (h, cotangent, targets) ->
-  (activation to send on, cotangent to send back, param grads, loss-head grads, loss)."""
-  def nothing(h, g, t):
+  """The ops a tick can run, indexed by the op codes: each (h, cotangent, targets, stage
+  args) -> (activation to send on, cotangent to send back, param grads, loss-head grads,
+  loss)."""
+  def nothing(h, g, t, a):
     return (_zeros(h, axis), _zeros(h, axis), _zeros(params, axis),
             _zeros(loss_params, axis), _zeros(jax.ShapeDtypeStruct((), jnp.float32), axis))
 
-  def forward(h, g, t):
-    return (stage_fn(params, h), *nothing(h, g, t)[1:])
+  def forward(h, g, t, a):
+    return (stage_fn(params, h, *a), *nothing(h, g, t, a)[1:])
 
-  def backward(h, g, t):
-    _, vjp = jax.vjp(stage_fn, params, h)  # recompute the stage from its stored input
+  def backward(h, g, t, a):
+    # Recompute the stage from its stored input.
+    _, vjp = jax.vjp(lambda p, h: stage_fn(p, h, *a), params, h)
     gp, gh = vjp(g)
-    return _zeros(h, axis), gh, gp, _zeros(loss_params, axis), nothing(h, g, t)[4]
+    return _zeros(h, axis), gh, gp, _zeros(loss_params, axis), nothing(h, g, t, a)[4]
 
-  def loss_backward(h, g, t):
+  def loss_backward(h, g, t, a):
     def mean_loss(p, h, lp):  # each microbatch's share of the mean over microbatches
-      return loss_fn(lp, stage_fn(p, h), t).astype(jnp.float32) / n_micro
+      return loss_fn(lp, stage_fn(p, h, *a), t).astype(jnp.float32) / n_micro
     loss, (gp, gh, gl) = jax.value_and_grad(mean_loss, argnums=(0, 1, 2))(
         params, h, loss_params)
     return _zeros(h, axis), gh, gp, gl, loss
@@ -217,31 +232,32 @@ def _branches(stage_fn, loss_fn, params, loss_params, n_micro, axis):
 
 
 def loss(stage_fn: Callable, stage_params, x_BxLxD, loss_fn: Callable, loss_params, targets,
-         *, mesh: Mesh, axis: str, microbatches: int):
-  """The 1F1B pipeline's mean loss, differentiable (w.r.t. stage_params, x and loss_params)
-  by an outer jax.grad: jax.custom_vjp whose forward runs the whole schedule. Without a
-  gradient it still runs the backwards (use a forward-only pipeline for eval)."""
+         *, mesh: Mesh, axis: str, microbatches: int, stage_args: tuple = ()):
+  """The 1F1B pipeline's mean loss, differentiable (w.r.t. stage_params, x and loss_params;
+  targets and stage_args get none) by an outer jax.grad: jax.custom_vjp whose forward runs
+  the whole schedule. Without a gradient it still runs the backwards (use a forward-only
+  pipeline for eval)."""
   run = functools.partial(value_and_grads, stage_fn, loss_fn=loss_fn, mesh=mesh, axis=axis,
                           microbatches=microbatches)
 
   @jax.custom_vjp
-  def pipelined(stage_params, x, loss_params, targets):
+  def pipelined(stage_params, x, loss_params, targets, args):
     return run(stage_params, x, loss_params=loss_params, targets=targets,
-               input_grad=False)[0]
+               input_grad=False, stage_args=args)[0]
 
-  def fwd(stage_params, x, loss_params, targets):  # leaves are CustomVJPPrimal
+  def fwd(stage_params, x, loss_params, targets, args):  # leaves are CustomVJPPrimal
     values = functools.partial(jax.tree.map, lambda leaf: leaf.value,
                                is_leaf=lambda leaf: isinstance(leaf, CustomVJPPrimal))
     # The input's gradient (M microbatches of b×L×D) only when someone asks for it.
     return run(values(stage_params), x.value, loss_params=values(loss_params),
-               targets=values(targets), input_grad=x.perturbed)
+               targets=values(targets), input_grad=x.perturbed, stage_args=values(args))
 
   def bwd(grads, g):
     g_stage, g_loss, g_x = grads
     if isinstance(g, SymbolicZero):
-      return None, None, None, None
+      return None, None, None, None, None
     scale = functools.partial(jax.tree.map, lambda a: (a * g).astype(a.dtype))
-    return scale(g_stage), None if g_x is None else scale(g_x), scale(g_loss), None
+    return scale(g_stage), None if g_x is None else scale(g_x), scale(g_loss), None, None
 
   pipelined.defvjp(fwd, bwd, symbolic_zeros=True)
-  return pipelined(stage_params, x_BxLxD, loss_params, targets)
+  return pipelined(stage_params, x_BxLxD, loss_params, targets, tuple(stage_args))

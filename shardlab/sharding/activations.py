@@ -3,8 +3,9 @@
 A model only names its activations' axes (`constrain(x, ("batch", "length", "embed"))`); the
 train step sets which mesh and rules table those names resolve against while it is traced,
 together with the step's other settings that traced code reads (the pipeline schedule,
-early gradient reduction, the layer scan's unroll): one frozen `StepContext`. Outside that
-context `constrain` is the identity, so the same module runs unsharded.
+early gradient reduction): one frozen `StepContext`. The layer scan's own settings (remat,
+unroll) are not among them: the model that owns the stack is given those when it is built.
+Outside that context `constrain` is the identity, so the same module runs unsharded.
 """
 
 import contextlib
@@ -27,8 +28,9 @@ class StepContext:
   pipeline: tuple[int, int] = (1, 1)
   # Gradients reduced where the model asks (shardlab.parallel.early_grads).
   early_grads: bool = False
-  # Layers per iteration of a layer scan (train.scan_unroll).
-  scan_unroll: int = 1
+  # Which schedule that pipeline runs: "gpipe" (circular with repeats > 1) through the layer
+  # scan, or "1f1b", which owns the loss (shardlab.parallel.pipeline_1f1b_loss).
+  schedule: str = "gpipe"
 
 
 _STEP: contextvars.ContextVar = contextvars.ContextVar("shardlab_step", default=None)
@@ -36,10 +38,9 @@ _STEP: contextvars.ContextVar = contextvars.ContextVar("shardlab_step", default=
 
 @contextlib.contextmanager
 def activation_rules(mesh: Mesh, rules: Rules, pipeline: tuple[int, int] = (1, 1),
-                     early_grads: bool = False, scan_unroll: int = 1):
+                     early_grads: bool = False, *, schedule: str = "gpipe"):
   """Traces under `rules` on `mesh`, with the step's other settings (see StepContext)."""
-  token = _STEP.set(StepContext(mesh, rules, tuple(pipeline), bool(early_grads),
-                                int(scan_unroll)))
+  token = _STEP.set(StepContext(mesh, rules, tuple(pipeline), bool(early_grads), schedule))
   try:
     yield
   finally:
@@ -55,13 +56,6 @@ def pipeline_schedule() -> tuple[int, int]:
   """(microbatches, repeats) the active step gives a pipeline."""
   active = _STEP.get()
   return (1, 1) if active is None else active.pipeline
-
-
-def scan_unroll() -> int:
-  """Layers per iteration of a model's layer scan in the step being traced (1 outside one):
-  the `unroll` of its lax.scan."""
-  active = _STEP.get()
-  return 1 if active is None else active.scan_unroll
 
 
 def gradient_rules() -> tuple[Mesh, dict] | None:

@@ -9,6 +9,8 @@ module reads the config's values for them, so each rule has one message.
 
 import math
 
+from flax import nnx
+
 from shardlab.config import Config
 from shardlab.data import corpus as corpus_lib
 from shardlab.errors import ConfigError
@@ -45,10 +47,11 @@ def _degree(rules: rules_lib.Rules, mesh, logical: str) -> int:
 def check_pipeline(cfg: Config, rules: rules_lib.Rules, mesh) -> None:
   """What runs inside a pipeline (the rules split `layers` over a `stage` axis above 1):
   the schedule's divisibility and the settings a pipeline refuses. Nothing without one."""
-  stages = rules_lib.pipeline_stages(rules, mesh)
-  if stages <= 1:
-    return
   t, model = cfg.train, cfg.model
+  pipeline.check_schedule(t.pipeline_schedule, t.pipeline_repeats)
+  stages = rules_lib.pipeline_stages(rules, mesh)
+  if stages <= 1:  # train.pipeline_schedule (and _repeats) have nothing to run
+    return
   # A mixture of experts is the contract's one marker of layers that return statistics
   # (router losses): read from the optional member, so no architecture is named here.
   stats = (f"model {model.name!r} is a mixture of experts (model.n_experts={model.n_experts}):"
@@ -57,3 +60,13 @@ def check_pipeline(cfg: Config, rules: rules_lib.Rules, mesh) -> None:
                              context=_degree(rules, mesh, "length"))
   pipeline.check(model.n_layers, stages, t.pipeline_repeats, t.microbatches, t.global_batch,
                  "train.global_batch")
+
+
+def check_pipeline_parts(cfg: Config, abstract, rules: rules_lib.Rules, mesh) -> None:
+  """Under a 1F1B pipeline the model's module gives `pipeline_parts` (models/protocol.py):
+  the schedule owns the loss, so the loss needs the module's parts."""
+  if cfg.train.pipeline_schedule != "1f1b" or rules_lib.pipeline_stages(rules, mesh) <= 1:
+    return
+  module = nnx.merge(abstract.graphdef, abstract.state.params)  # shapes only: no memory
+  protocol.require_module_member(module, "pipeline_parts",
+                                 f"train.pipeline_schedule=1f1b (model {cfg.model.name!r})")

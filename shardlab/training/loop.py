@@ -38,7 +38,8 @@ def describe(run: Run) -> str:
       f"batch    {cfg.train.global_batch} × {cfg.train.seq_len} tokens, "
       f"{cfg.train.microbatches} microbatch(es), {cfg.train.steps} steps",
       *schedule.lines(m.n_layers, run.shardings.rules, run.mesh,
-                      cfg.train.microbatches, cfg.train.pipeline_repeats),
+                      cfg.train.microbatches, cfg.train.pipeline_repeats,
+                      cfg.train.pipeline_schedule),
       f"data     {run.feed.describe()}",
   ])
 

@@ -89,20 +89,23 @@ class Run:
 
 
 def model_factory(cfg: Config):
-  """Builds the bundled model `cfg.model` describes, seeded by train.seed."""
+  """Builds the bundled model `cfg.model` describes, seeded by train.seed, with the layer
+  scan's settings (train.remat, train.scan_unroll)."""
   if cfg.train.remat not in cfg.model.remat_policies:
     raise ConfigError(f"train.remat {cfg.train.remat!r} is not offered by model "
                       f"{cfg.model.name}; valid: {', '.join(cfg.model.remat_policies)}")
   param_dtype = precision.resolve(cfg.train.precision).param_dtype
+  remat, unroll = cfg.train.remat, cfg.train.scan_unroll
   if not cfg.lora.rank:
-    return lambda: cfg.model.make(nnx.Rngs(cfg.train.seed), param_dtype, cfg.train.remat)
+    return lambda: cfg.model.make(nnx.Rngs(cfg.train.seed), param_dtype, remat,
+                                  unroll=unroll)
   offered = cfg.model.lora_targets
   wrong = [t for t in cfg.lora.target_names if t not in offered]
   if wrong:
     raise ConfigError(f"lora.targets {', '.join(wrong)} not offered by model "
                       f"{cfg.model.name}; valid: {', '.join(offered) or 'none (no LoRA)'}")
-  return lambda: cfg.model.make(nnx.Rngs(cfg.train.seed), param_dtype, cfg.train.remat,
-                                lora=cfg.lora)
+  return lambda: cfg.model.make(nnx.Rngs(cfg.train.seed), param_dtype, remat, lora=cfg.lora,
+                                unroll=unroll)
 
 
 def lora_frozen(path: tuple[str, ...]) -> bool:
@@ -200,6 +203,7 @@ def abstract_inputs(abstract: state_lib.Abstract, shardings_: state_lib.Sharding
 def make_steps(cfg: Config, abstract: state_lib.Abstract, shardings_: state_lib.Shardings):
   """(train_step, eval_step), jitted with the run's shardings."""
   checks.check_pipeline(cfg, shardings_.rules, shardings_.mesh)
+  checks.check_pipeline_parts(cfg, abstract, shardings_.rules, shardings_.mesh)
   step_lib.check_batch(cfg.train.global_batch, cfg.train.microbatches, shardings_)
   loss = loss_fn(cfg)
   return (step_lib.make_train_step(loss, abstract, shardings_,
@@ -209,11 +213,10 @@ def make_steps(cfg: Config, abstract: state_lib.Abstract, shardings_: state_lib.
                                    early_grads=cfg.train.early_grad_reduce,
                                    nonfinite=cfg.train.nonfinite,
                                    pipeline_repeats=cfg.train.pipeline_repeats,
-                                   scan_unroll=cfg.train.scan_unroll),
+                                   pipeline_schedule=cfg.train.pipeline_schedule),
           step_lib.make_eval_step(loss, abstract, shardings_,
                                   microbatches=cfg.train.microbatches,
-                                  pipeline_repeats=cfg.train.pipeline_repeats,
-                                  scan_unroll=cfg.train.scan_unroll))
+                                  pipeline_repeats=cfg.train.pipeline_repeats))
 
 
 def setup(cfg: Config, with_data: bool = True, devices=None) -> Run:

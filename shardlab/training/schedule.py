@@ -10,14 +10,15 @@ def stages(rules: rules_lib.Rules, mesh) -> int:
 
 
 def lines(n_layers: int | None, rules: rules_lib.Rules, mesh, microbatches: int,
-          repeats: int) -> list[str]:
-  """The pipeline's header lines ([] when the rules split no layers over a mesh axis)."""
+          repeats: int, schedule: str = "gpipe") -> list[str]:
+  """The pipeline's header lines ([] when the rules split no layers over a mesh axis);
+  `schedule`: train.pipeline_schedule."""
   n = stages(rules, mesh)
   if n <= 1 or n_layers is None:
     return []
   pipeline.check(n_layers, n, repeats, microbatches)
   placed = pipeline.layers_per_stage(n_layers, n, repeats)
-  return [f"pipeline {pipeline.describe(n_layers, n, repeats, microbatches)}",
+  return [f"pipeline {pipeline.describe(n_layers, n, repeats, microbatches, schedule)}",
           "         layers by stage: " + "; ".join(
               f"{s}: {_ranges(layers)}" for s, layers in enumerate(placed))]
 

@@ -117,18 +117,21 @@ def working_copy(params, abstract: Abstract, shardings: Shardings):
 NONFINITE_POLICIES = ("stop", "skip")
 
 
-def pipeline_split(shardings: Shardings, microbatches: int, repeats: int = 1):
-  """(microbatches the step loops over, (microbatches, repeats) for the pipeline). When the
-  rules split `layers` over `stage`, the pipeline consumes train.microbatches itself: the
-  step hands it the whole batch (shardlab/parallel/pipeline.py)."""
+def pipeline_split(shardings: Shardings, microbatches: int, repeats: int = 1,
+                   schedule: str = "gpipe"):
+  """(microbatches the step loops over, (microbatches, repeats) for the pipeline, its
+  schedule). When the rules split `layers` over `stage`, the pipeline consumes
+  train.microbatches itself: the step hands it the whole batch (shardlab/parallel/
+  pipeline.py); without a pipeline the schedule is moot, and "gpipe" says so."""
   if rules_lib.pipeline_stages(shardings.rules, shardings.mesh) > 1:
-    return 1, (microbatches, repeats)
-  return microbatches, (1, 1)
+    return 1, (microbatches, repeats), schedule
+  return microbatches, (1, 1), "gpipe"
 
 
-def _check_options(nonfinite: str, shardings: Shardings) -> None:
+def _check_options(nonfinite: str, shardings: Shardings, schedule: str, repeats: int) -> None:
   if nonfinite not in NONFINITE_POLICIES:
     raise unknown("train.nonfinite", nonfinite, NONFINITE_POLICIES)
+  pipeline.check_schedule(schedule, repeats)
   stages = rules_lib.pipeline_stages(shardings.rules, shardings.mesh)
   if stages > 1:  # a run from a config met this at setup (training/checks.py) already
     pipeline.check_combination(stages, offload="opt_state" if shardings.offloaded else "none")
@@ -138,16 +141,17 @@ def make_train_step(loss_fn: LossFn, abstract: Abstract, shardings: Shardings, *
                     microbatches: int = 1, lr_schedule: optax.Schedule | None = None,
                     grad_dtype: str = "auto", nonfinite: str = "stop",
                     pipeline_repeats: int = 1, early_grads: bool = True,
-                    scan_unroll: int = 1):
+                    pipeline_schedule: str = "gpipe"):
   """jit(state, batch) -> (state, metrics); `state` is donated. Metrics: loss, grad_norm,
   finite (both are finite), the loss's aux entries (averaged over microbatches) and, given a
   schedule, lr. `grad_dtype`: "auto", "fp32" or "bf16" (see precision.gradient_dtype).
   `nonfinite`: "stop" applies every update (the caller stops on `finite`); "skip" keeps the
   params and optimizer state of a non-finite step as they were and reports skipped = 1.
   `early_grads`: reduce weight gradients where the model asks
-  (shardlab.parallel.reduce_grads_early).
-  `scan_unroll`: layers per iteration of the model's layer scan (shardlab.parallel.scan)."""
-  _check_options(nonfinite, shardings)
+  (shardlab.parallel.reduce_grads_early). Remat and scan unroll are the model's own settings.
+  `pipeline_schedule`: "gpipe" or "1f1b", which owns the loss: `loss_fn` then reaches the
+  layers through shardlab.parallel.pipeline_1f1b_loss (as the bundled decoders' do)."""
+  _check_options(nonfinite, shardings, pipeline_schedule, pipeline_repeats)
   dtype = precision.gradient_dtype(abstract.policy, grad_dtype)
   loss = working_loss(loss_fn, abstract)
   # Gradients only for the trainable params: a frozen one (a LoRA base) gets no weight-
@@ -156,10 +160,10 @@ def make_train_step(loss_fn: LossFn, abstract: Abstract, shardings: Shardings, *
                                                                                     fixed),
                                                                    batch), has_aux=True)
 
-  looped, schedule = pipeline_split(shardings, microbatches, pipeline_repeats)
+  looped, pipe, kind = pipeline_split(shardings, microbatches, pipeline_repeats, pipeline_schedule)
 
   def train_step(state: TrainState, batch):
-    with activation_rules(shardings.mesh, shardings.rules, schedule, early_grads, scan_unroll):
+    with activation_rules(shardings.mesh, shardings.rules, pipe, early_grads, schedule=kind):
       working = working_copy(_on_device(state.params, shardings.on_device.params), abstract,
                              shardings)
       fixed = abstract.fixed(working)
@@ -216,16 +220,18 @@ class _Checked:
 
 
 def make_eval_step(loss_fn: LossFn, abstract: Abstract, shardings: Shardings, *,
-                   microbatches: int = 1, pipeline_repeats: int = 1, scan_unroll: int = 1):
+                   microbatches: int = 1, pipeline_repeats: int = 1):
   """jit(params, batch) -> mean loss. Under a pipeline it runs the train step's schedule
   (train.microbatches, train.pipeline_repeats), not a one-microbatch GPipe that would leave
-  (S − 1)/S of it bubble; without one the whole batch goes through at once."""
+  (S − 1)/S of it bubble; without one the whole batch goes through at once. A 1F1B run's
+  eval runs GPipe over the same microbatches: forward only, where 1F1B would run the
+  backwards too."""
   loss = model_loss(loss_fn, abstract)
-  _, schedule = pipeline_split(shardings, microbatches, pipeline_repeats)
+  _, schedule, _ = pipeline_split(shardings, microbatches, pipeline_repeats)
 
   def eval_step(params, batch):
     params = _on_device(params, shardings.on_device.params)
-    with activation_rules(shardings.mesh, shardings.rules, schedule, scan_unroll=scan_unroll):
+    with activation_rules(shardings.mesh, shardings.rules, schedule):
       return loss(params, batch)[0]
 
   return jax.jit(eval_step, in_shardings=(shardings.state.params, shardings.batch),

@@ -45,8 +45,10 @@ class QKVBiasLlama(llama.Llama):
 class QKVBiasConfig(LlamaConfig):
   arch: str = "llama-qkv-bias"
 
-  def make(self, rngs: nnx.Rngs, param_dtype, remat: str = "none", lora=None) -> QKVBiasLlama:
-    return QKVBiasLlama(self, rngs, param_dtype, remat, lora if lora and lora.rank else None)
+  def make(self, rngs: nnx.Rngs, param_dtype, remat: str = "none", lora=None,
+           unroll: int = 1) -> QKVBiasLlama:
+    return QKVBiasLlama(self, rngs, param_dtype, remat, lora if lora and lora.rank else None,
+                        unroll)
 
   @property
   def n_params(self) -> int:
