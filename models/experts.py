@@ -35,7 +35,7 @@ class Experts(nnx.Module):
     """(output B×L×D, {load_balance, router_z, dropped fraction}) of this layer."""
     logits_BxLxE = jnp.einsum("bld,de->ble", x_BxLxD.astype(jnp.float32),
                               self.router_DxE[...].astype(jnp.float32))
-    weights_BxLxK, experts_BxLxK = parallel.route(logits_BxLxE, self.k)
+    weights_BxLxK, experts_BxLxK = self.route(logits_BxLxE)
     stats = parallel.router_stats(logits_BxLxE, experts_BxLxK)
     weights = (self.gate_ExDxF[...], self.up_ExDxF[...], self.down_ExFxD[...])
     y_BxLxD, kept_BxLxK = parallel.experts(x_BxLxD, experts_BxLxK,
@@ -43,3 +43,8 @@ class Experts(nnx.Module):
                                            self.mode, self.capacity_factor)
     stats["dropped"] = 1.0 - jnp.mean(kept_BxLxK.astype(jnp.float32))
     return y_BxLxD, stats
+
+  def route(self, logits_BxLxE):
+    """(weights, expert ids) B×L×K: Mixtral's rule (renormalised top k); the seam a family
+    with another router overrides (Qwen3-MoE's optional renormalisation)."""
+    return parallel.route(logits_BxLxE, self.k)

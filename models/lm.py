@@ -47,16 +47,39 @@ def next_token_loss(model, batch, chunk: int = 0):
 
 
 def _cross_entropy_loss(model, hidden, batch, chunk: int):
+  inputs, targets_BxL, weights_BxL = _unpack(model, batch)
+  cap = getattr(model, "final_softcap", None)
+  if cap:  # the fused loss has no place for a soft-cap between the matmul and the softmax
+    return _capped_cross_entropy(hidden(*inputs), model.output_head(), cap, targets_BxL,
+                                 weights_BxL)
+  return cross_entropy(hidden(*inputs), model.output_head(), targets_BxL, chunk, weights_BxL)
+
+
+def _capped_cross_entropy(x_BxLxD, head_DxV, cap: float, targets_BxL, weights_BxL):
+  """The (weighted) mean cross-entropy of cap·tanh(x·head / cap) (Gemma 2's final-logit
+  soft-cap, a module's `final_softcap`): what the model is evaluated with is what it trains
+  on. The fp32 B×L×V logits are whole here (no chunks, autodiff's residuals)."""
+  logits = logits_of(x_BxLxD, head_DxV)
+  logits = cap * jnp.tanh(logits / cap)
+  target = jnp.take_along_axis(logits, targets_BxL[..., None], axis=-1)[..., 0]
+  nll = jax.nn.logsumexp(logits, axis=-1) - target
+  if weights_BxL is None:
+    return nll.mean()
+  return (nll * weights_BxL).sum() / jnp.maximum(weights_BxL.sum(), 1.0)
+
+
+def _unpack(model, batch):
+  """(the model's inputs: tokens, and for packed documents positions and segment ids; the
+  targets B×L; their weights B×L, None when every target counts)."""
   if not isinstance(batch, dict):
-    x_BxLxD = hidden(batch[:, :-1])
-    return cross_entropy(x_BxLxD, model.output_head(), batch[:, 1:], chunk)
+    return (batch[:, :-1],), batch[:, 1:], None
   extra = set(batch) - set(BATCH_KEYS)
   if extra or "tokens" not in batch:
     raise ConfigError(f"a batch dict has keys {sorted(batch)}; valid: 'tokens' (required), "
                       f"'segment_ids', 'positions'")
   tokens, segments = batch["tokens"], batch.get("segment_ids")
   if segments is None:
-    return _cross_entropy_loss(model, hidden, tokens, chunk)
+    return _unpack(model, tokens)
   if "segment_ids_BxL" not in inspect.signature(model.hidden).parameters:
     raise ConfigError(f"the batch has segment_ids (packed documents) but "
                       f"{type(model).__name__}.hidden takes none; this model cannot mask "

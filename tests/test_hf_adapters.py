@@ -1,8 +1,9 @@
 """The Hugging Face adapter contract (shardlab/hf/adapter.py). Its exit test: a Llama variant
 with a q/k/v bias is one model file (tests/data/llama_qkv_bias.py) plus one adapter file
 (tests/data/llama_qkv_bias_hf.py), and then a transformers Qwen2ForCausalLM (Llama with
-q/k/v biases) imports with transformers' logits and exports back through `convert from-hf` /
-`to-hf`. And the registry's errors.
+q/k/v biases) imports into the variant, explicitly (the bundled qwen2 family is what a bare
+`convert from-hf` picks), with transformers' logits, and exports back. And the registry's
+errors.
 """
 
 import importlib.util
@@ -19,6 +20,7 @@ from shardlab.hf import adapter as adapter_lib
 from shardlab.hf import families
 from shardlab.hf.adapter import ADAPTERS, adapter
 from shardlab.hf.llama import LlamaAdapter
+from shardlab.hf.qwen2 import Qwen2Adapter
 from shardlab.models import registry
 
 DATA = Path(__file__).parent / "data"
@@ -71,7 +73,12 @@ def test_each_config_goes_to_its_adapter():
   qwen2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
   assert type(families.for_hf(llama)) is LlamaAdapter
   assert type(families.for_hf({"model_type": "llama"})) is LlamaAdapter
-  assert type(families.for_hf(qwen2)) is VARIANT_HF.QKVBiasAdapter
+  # The variant's adapter reads Qwen2 configs too; the bundled family, named as the config's
+  # model_type, is the one picked, unless the run's model is the variant.
+  assert VARIANT_HF.QKVBiasAdapter().claims(qwen2)
+  assert type(families.for_hf(qwen2)) is Qwen2Adapter
+  variant = registry.load(str(DATA / "llama-qkv-bias.toml"))
+  assert type(families.for_dir(qwen2, variant)) is VARIANT_HF.QKVBiasAdapter
   shape = {"vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
            "num_attention_heads": 1}
   with pytest.raises(ConfigError, match=r"attention_bias=True is not supported"):
@@ -81,7 +88,8 @@ def test_each_config_goes_to_its_adapter():
     hf_config.to_model({**qwen2, **shape, "use_sliding_window": True})
   with pytest.raises(ConfigError, match=r"layer_types holds 'sliding_attention'"):
     hf_config.to_model({**qwen2, **shape, "layer_types": ["sliding_attention"]})
-  assert type(hf_config.to_model({**qwen2, **shape})) is VARIANT.QKVBiasConfig
+  assert type(hf_config.to_model({**qwen2, **shape})).__name__ == "Qwen2Config"
+  assert type(ADAPTERS["llama-qkv-bias"].to_model({**qwen2, **shape})) is VARIANT.QKVBiasConfig
 
 
 def test_where_several_adapters_claim_a_config(monkeypatch):
@@ -143,10 +151,14 @@ def saved(tmp_path_factory):
   return directory, hf_logits(model)
 
 
+def variant_model(directory):
+  """The variant's config of a Qwen2 directory, by its own adapter."""
+  return ADAPTERS["llama-qkv-bias"].to_model(hf_config.read(directory), "qkv-bias")
+
+
 @needs_hf
 def test_the_config_maps_to_the_variant(saved):
-  from shardlab.hf import convert as hf_convert
-  model = hf_convert.hf_model_config(saved[0])
+  model = variant_model(saved[0])
   assert type(model) is VARIANT.QKVBiasConfig and model.arch == "llama-qkv-bias"
   n_hf = sum(p.numel() for p in transformers.Qwen2ForCausalLM.from_pretrained(
       saved[0]).parameters())
@@ -154,27 +166,20 @@ def test_the_config_maps_to_the_variant(saved):
 
 
 @needs_hf
-def test_import_and_export_match_transformers(saved, tmp_path, capsys):
-  """from-hf → the variant's checkpoint: transformers' logits on one device (fp32, 1e-4);
-  to-hf → from_pretrained: the same logits again."""
-  from shardlab import cli
-  from shardlab.hf import convert as hf_convert
-  from shardlab.training import checkpoint
+def test_import_and_export_match_transformers(saved, tmp_path):
+  """The HF weights imported into the variant: transformers' logits on one device (fp32,
+  1e-4); exported → from_pretrained: the same logits again."""
+  from shardlab.hf import weights as hf
   directory, expected = saved
-  ckpt = tmp_path / "ckpt"
-  assert cli.main(["convert", "from-hf", str(directory), str(ckpt)]) == 0
-  assert registry.load(str(ckpt / "model.toml")).arch == "llama-qkv-bias"
-  cfg, m, r, abstract, sh = H.placed_model(hf_convert.hf_model_config(directory), "dp",
-                                           "data:1")
-  params, step = checkpoint.restore_params(ckpt, abstract, sh)
-  assert step == 0 and np.abs(np.asarray(params["blocks"]["attn"]["k_bias_KxE"])).max() > 0
+  cfg, m, r, abstract, sh = H.placed_model(variant_model(directory), "dp", "data:1")
+  params = hf.load_params(directory, cfg.model, abstract, sh)
+  assert np.abs(np.asarray(params["blocks"]["attn"]["k_bias_KxE"])).max() > 0
   assert np.abs(expected).max() > 1.0
   np.testing.assert_allclose(H.model_logits(params, m, r, abstract, sh, TOKENS), expected,
                              rtol=0, atol=1e-4)
 
   out = tmp_path / "exported"
-  assert cli.main(["convert", "to-hf", str(ckpt), str(out)]) == 0
-  assert "wrote config.json" in capsys.readouterr().out
+  hf.export_params(params, cfg.model, out)
   reloaded = transformers.Qwen2ForCausalLM.from_pretrained(
       out, attn_implementation="eager").eval()
   np.testing.assert_array_equal(hf_logits(reloaded), expected)

@@ -5,7 +5,10 @@ On the HF side the variant is transformers' `Qwen2ForCausalLM` without sliding w
 plus `self_attn.{q,k,v}_proj.bias` and no bias on o_proj. (Llama with `attention_bias: true`
 is not it: that biases o_proj too, which the variant does not have.) Importing this file
 registers the adapter; the model file must be imported too (its arch's config class is what
-`to_model` builds).
+`to_model` builds). shardlab bundles that family too (models/qwen2.py, shardlab/hf/qwen2.py):
+where both claim a config, the lookup picks the family named as its model_type, qwen2
+(shardlab/hf/families.py for_hf), so this adapter reads a Qwen2 directory only for a run of
+the variant (`for_dir`: the run's own adapter first) or when called by name.
 """
 
 from shardlab.errors import ConfigError
