@@ -2,7 +2,10 @@
 
 import argparse
 import dataclasses
+import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -17,7 +20,7 @@ from shardlab.hf import weights as hf
 from shardlab.observe.progress import Activity
 from shardlab.runtime import distributed
 from shardlab.data import tokenizer as tokenizer_lib
-from shardlab.training import loop
+from shardlab.training import checkpoint, checkpoint_lock, loop
 from shardlab.training.nonfinite import NonFiniteError
 
 SAMPLE_PROMPT = "def "  # the default corpus is Python source
@@ -124,7 +127,40 @@ def hf_params(run):
 
 
 def train_main(argv=None, prog: str = "train.py") -> int:
+  """The train command. At a process's entry point (train.py, the shardlab command) a
+  Ctrl-C outside the training loop, where nothing is being saved, ends the process at once
+  with one line (`_leave`): a KeyboardInterrupt can be swallowed by a library's bare
+  `except:`, and leaving while XLA still compiles on its own threads must skip the
+  interpreter's teardown (it aborts: "pure virtual method called"). In the loop, the first
+  Ctrl-C stops at the next step and saves (preemption.py)."""
   args = train_parser(prog).parse_args(argv)
+  where = {"checkpoint_dir": args.checkpoint_dir}  # known better once the config is read
+  entry = (argv is None or prog.startswith("shardlab")) and \
+      threading.current_thread() is threading.main_thread()
+  previous = signal.signal(signal.SIGINT, lambda *_: _leave(where)) if entry else None
+  try:
+    return _train(args, argv, where)
+  except KeyboardInterrupt:  # a second Ctrl-C in the loop, or any one in-process
+    if entry:
+      _leave(where)
+    return _interrupted(where["checkpoint_dir"])
+  finally:
+    if entry:
+      signal.signal(signal.SIGINT, previous)
+
+
+def _leave(where: dict) -> None:
+  terminal = next((s for s in (sys.stdout, sys.stderr) if s.isatty()), None)
+  if terminal is not None:  # a live progress line was cut off: clear it, show the cursor
+    terminal.write("\r\x1b[2K\x1b[?25h")
+  code = _interrupted(where["checkpoint_dir"])
+  checkpoint_lock.release_all()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
+
+
+def _train(args, argv, where: dict) -> int:
   if argv is None:  # train.py: the process's entry point
     cpu_entry_point()
   try:
@@ -135,6 +171,7 @@ def train_main(argv=None, prog: str = "train.py") -> int:
       print(f"distributed: {how}", flush=True)
     cfg = resolve_auto(config_from_args(args), args, args.fresh,
                        say=(lambda text: None) if args.quiet else None)
+    where["checkpoint_dir"] = cfg.checkpoint.dir
     loop.train(cfg, quiet=args.quiet, fresh=args.fresh, overwrite=args.overwrite,
                stop_after=args.stop_after, param_sources={"hf": hf_params},
                on_finish=sampler(args.sample_tokens),
@@ -144,6 +181,21 @@ def train_main(argv=None, prog: str = "train.py") -> int:
   except NonFiniteError as e:  # its own code: a scheduler can tell divergence from bad input
     return _error(e, 3)
   return 0
+
+
+def _interrupted(checkpoint_dir: str | None) -> int:
+  """One line for a Ctrl-C that the loop did not turn into a stop at a step boundary (one
+  during start-up or compiling, or a second one): what is saved, and exit 130."""
+  if not checkpoint_dir:
+    saved = "nothing was saved (no --checkpoint-dir)"
+  else:
+    steps = checkpoint.saved_steps(checkpoint_dir)
+    saved = (f"the newest checkpoint is step {steps[-1]} in {checkpoint_dir}; rerun the same "
+             f"command to resume from it" if steps else
+             f"no checkpoint was saved in {checkpoint_dir}")
+  print(f"interrupted (Ctrl-C): {saved}", file=sys.stderr, flush=True)
+  distributed.fail("interrupted (Ctrl-C)", 130)  # the other processes stop too
+  return 130
 
 
 def _error(error: Exception, code: int) -> int:

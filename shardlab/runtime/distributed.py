@@ -5,10 +5,12 @@
 slices, SLURM, Open MPI). It must run before the backend starts. Nothing waits without a
 deadline: joining has `--init-timeout`, and afterwards a watchdog stops every process when
 one dies, hangs or fails (watchdog.py); each such exit is code 4 with a message naming the
-process or the coordinator.
+process or the coordinator. A coordinator port already in use is refused before JAX tries
+it (exit 2, naming the port): JAX's own failure there is a native crash.
 """
 
 import atexit
+import errno
 import os
 import socket
 import sys
@@ -80,6 +82,12 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
   host, _, port = coordinator.rpartition(":")
   if not host or not port.isdigit():
     raise ConfigError(f"--coordinator must be HOST:PORT, got {coordinator!r}")
+  if process_id == 0 and port_in_use(int(port)):
+    raise ConfigError(
+        f"--coordinator {coordinator}: port {port} is already in use on this host (another "
+        f"run's coordinator, or another program, listens there); process 0 hosts the "
+        f"coordinator on it. Choose a free port for every process (`shardlab launch` picks "
+        f"one when --port is left out), or stop what uses it")
   if jax.config.jax_platforms == "cpu" or os.environ.get("JAX_PLATFORMS") == "cpu":
     # CPU devices in different processes talk through gloo (tests, laptops).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -145,6 +153,23 @@ def _init_timed_out(coordinator: str, num_processes, process_id, timeout_s: floa
   print(f"error: jax.distributed did not start: {what}; or raise --init-timeout "
         f"(exit {watchdog.EXIT_CODE})", file=sys.stderr, flush=True)
   os._exit(watchdog.EXIT_CODE)
+
+
+def port_in_use(port: int) -> bool:
+  """Whether something on this host holds `port`, on any address (the coordinator listens
+  on all of them). SO_REUSEADDR, as the coordinator's server sets it: a port left in
+  TIME_WAIT by an earlier run is free."""
+  for family, wildcard in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+    try:
+      with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+          s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        s.bind((wildcard, port))
+    except OSError as e:
+      if e.errno == errno.EADDRINUSE:
+        return True  # anything else (no IPv6 here, a bad port): JAX will say
+  return False
 
 
 def _answers(address: str) -> bool:

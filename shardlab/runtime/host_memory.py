@@ -11,6 +11,7 @@ once with the tunable set; `SHARDLAB_HUGE_PAGES=0` turns that off.
 """
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -42,7 +43,11 @@ def huge_page_env(environ, mode: str | None) -> dict | None:
 
 def reexec_with_huge_pages() -> None:
   """Restarts this process with the tunable set, when it would help (see huge_page_env).
-  Call it first thing in a program's entry point: the process is replaced."""
+  Call it first thing in a program's entry point: the process is replaced. A Ctrl-C during
+  the restart is held (SIGINT blocked across execve) and raised as KeyboardInterrupt by the
+  new process's call here, where its entry point handles it: neither lost nor a crash of
+  the new interpreter's start-up."""
+  signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
   try:
     glibc = sys.platform.startswith("linux") and bool(os.confstr("CS_GNU_LIBC_VERSION"))
   except (ValueError, OSError):  # a C library without that name (musl)
@@ -51,6 +56,7 @@ def reexec_with_huge_pages() -> None:
     return
   env = huge_page_env(os.environ, thp_mode())
   if env is not None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

@@ -9,10 +9,14 @@ an interrupted save is never chosen for a restore.
 Restore targets come from `state.shardings`, the function training uses: a checkpoint saved
 under one mesh and strategy loads under any other, each process reading only its shards.
 
-A step whose files are missing, truncated or unreadable is `DamagedCheckpoint` (never a
+A step whose files are missing, truncated or corrupt is `DamagedCheckpoint` (never a
 model mismatch); a resume sets it aside and falls back to the newest intact step, unless
 `checkpoint.strict` is set; the readers (`restore_params`, `restore_newest`) fall back the
-same way, leaving the directory as it is (checkpoint_disk.py).
+same way, leaving the directory as it is (checkpoint_disk.py). A step the OS will not let
+us read (permissions) is `UnreadableCheckpoint`: an error naming the path, nothing renamed.
+
+A Checkpointer holds the directory's lock (checkpoint_lock.py) from its start to `close`:
+a second run on the same directory is refused, naming the first. Readers take no lock.
 
 A save that fails (a full disk, a directory gone read-only) raises CheckpointWriteError from
 the next `save` or `wait`: step directories are created synchronously, so no Orbax thread is
@@ -29,12 +33,16 @@ from jax.experimental import multihost_utils
 
 from shardlab.config import CheckpointConfig
 from shardlab.errors import ConfigError
+from shardlab.training import checkpoint_lock
 from shardlab.training.checkpoint_disk import DamagedCheckpoint, check_shapes, newest_intact
-from shardlab.training.checkpoint_disk import prepare, restore_item, stderr
+from shardlab.training.checkpoint_disk import UnreadableCheckpoint, prepare, restore_item
+from shardlab.training.checkpoint_disk import saved_steps, stderr
+from shardlab.training.checkpoint_lock import CheckpointDirInUse
 from shardlab.training.state import Abstract, Shardings, TrainState, placed
 
-__all__ = ["Checkpointer", "CheckpointWriteError", "DamagedCheckpoint", "prepare",
-           "restore_newest", "restore_params", "saved_config"]
+__all__ = ["Checkpointer", "CheckpointDirInUse", "CheckpointWriteError", "DamagedCheckpoint",
+           "UnreadableCheckpoint", "prepare", "restore_newest", "restore_params",
+           "saved_config", "saved_steps"]
 
 ARRAY_ITEMS = ("params", "opt_state")
 JSON_ITEMS = ("config", "progress")
@@ -90,7 +98,12 @@ class Checkpointer:
       options = CheckpointConfig(dir=str(options))
     self.directory = Path(options.dir)
     self.every, self.strict = options.every, options.strict
-    self.manager = _open(self.directory, options, create=True)
+    checkpoint_lock.lock(self.directory)  # held until close(); a no-op after prepare()
+    try:
+      self.manager = _open(self.directory, options, create=True)
+    except BaseException:
+      checkpoint_lock.unlock(self.directory)
+      raise
     self._saving: int | None = None  # the step of the save in flight
     self._failed = False  # a failed save was reported
 
@@ -199,16 +212,19 @@ class Checkpointer:
     self._saving = None
 
   def close(self) -> None:
-    """Waits for the save in flight and closes; a failure already raised is not raised
-    again (close runs in `finally` blocks)."""
-    if self._failed:
-      try:
+    """Waits for the save in flight, closes and releases the directory's lock; a failure
+    already raised is not raised again (close runs in `finally` blocks)."""
+    try:
+      if self._failed:
+        try:
+          self.manager.close()
+        except Exception:
+          pass
+        return
+      with self._failures(self._saving):
         self.manager.close()
-      except Exception:
-        pass
-      return
-    with self._failures(self._saving):
-      self.manager.close()
+    finally:
+      checkpoint_lock.unlock(self.directory)
 
 
 def _read_json(manager, step: int, directory) -> dict:

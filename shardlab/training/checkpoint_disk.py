@@ -1,11 +1,15 @@
-"""The checkpoint directory on disk: checked before a run (a directory, writable), and read
-step by step, telling a damaged step (missing, truncated or unreadable files) from a model
-mismatch, and falling back from a damaged newest step to the newest intact one.
+"""The checkpoint directory on disk: checked before a run (a directory, writable, locked by
+no other run), and read step by step, telling a damaged step (missing, truncated or corrupt
+files) from a model mismatch, and falling back from a damaged newest step to the newest
+intact one.
 
 Every reader goes through `newest_intact`: a resume, `--init-from`, `generate` and
 `convert to-hf` all fall back the same way (with a warning), or refuse under strictness.
+A step the OS will not let us read (permissions) is not damaged: it is an error naming the
+path and the reason, and nothing falls back or is renamed, since its contents may be fine.
 """
 
+import errno
 import os
 import shutil
 import sys
@@ -17,17 +21,57 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from shardlab.errors import ConfigError
+from shardlab.training import checkpoint_lock
 
 T = TypeVar("T")
 
 
 class DamagedCheckpoint(ConfigError):
-  """A step whose files are missing, truncated or unreadable."""
+  """A step whose files are missing, truncated or corrupt."""
 
   def __init__(self, directory, step: int, detail: str):
-    self.step = step
+    self.step, self.detail = step, detail
     super().__init__(f"checkpoint {directory}/{step} could not be read; it is damaged or not "
                      f"a shardlab checkpoint ({detail})")
+
+
+class UnreadableCheckpoint(ConfigError):
+  """A step the OS refuses to read (permissions): its contents may be intact."""
+
+  def __init__(self, directory, step: int, reason: str):
+    self.step = step
+    super().__init__(f"checkpoint {directory}/{step} cannot be read: {reason}. It is not "
+                     f"damaged as far as shardlab can tell, so nothing was skipped or "
+                     f"renamed: fix its permissions (e.g. chmod -R u+rwX {directory}) and "
+                     f"rerun")
+
+
+def os_problem(step_dir: Path, detail: str = "") -> str | None:
+  """'Permission denied: PATH' (the OS's reason) for the first file or directory of
+  `step_dir` that cannot be opened, or None. Asked only once a read has failed, to tell
+  an unreadable step from a damaged one: the open calls cost nothing next to a restore."""
+  found: list[OSError] = []
+  try:
+    os.listdir(step_dir)
+  except FileNotFoundError:
+    return None
+  except OSError as e:
+    found.append(e)
+  for root, _, files in os.walk(step_dir, onerror=found.append) if not found else ():
+    for name in files:
+      try:
+        os.close(os.open(os.path.join(root, name), os.O_RDONLY))
+      except FileNotFoundError:  # gone meanwhile, or a dangling link: damage
+        pass
+      except OSError as e:
+        found.append(e)
+  found = [e for e in found if not isinstance(e, FileNotFoundError)]
+  if found:
+    e = found[0]
+    return f"{e.strerror or os.strerror(e.errno)}: {e.filename}"
+  if "PERMISSION_DENIED" in detail or os.strerror(errno.EACCES) in detail:
+    return detail  # denied somewhere the walk cannot see (an ACL, a mount): say it as is
+  return None
 
 
 def unreadable(directory, step: int, error: Exception) -> DamagedCheckpoint:
@@ -73,11 +117,14 @@ def check_shapes(manager, step: int, item: str, abstract_tree, directory) -> Non
         ("\n  ..." if len(problems) > 20 else ""))
 
 
-def _on_any_process(flag: bool) -> bool:
-  """Whether `flag` holds on some process: a damaged shard may be read by only one."""
+OK, DAMAGED, UNREADABLE = 0, 1, 2  # a step's verdict on one process; the worst one counts
+
+
+def _on_any_process(verdict: int) -> int:
+  """The worst of every process's verdict: a damaged shard may be read by only one."""
   if jax.process_count() == 1:
-    return flag
-  return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
+    return verdict
+  return int(np.max(multihost_utils.process_allgather(np.array([verdict]))))
 
 
 def stderr(text: str) -> None:
@@ -94,13 +141,20 @@ def newest_intact(directory, steps: list[int], read: Callable[[int], T], strict:
     raise ConfigError(f"checkpoint directory {str(directory)!r} holds no complete checkpoint")
   damaged = []
   for step in sorted(steps, reverse=True):
-    error = None
+    error, verdict = None, OK
     try:
       result = read(step)
     except DamagedCheckpoint as e:
-      error = e
-    if not _on_any_process(error is not None):
+      reason = os_problem(Path(directory) / str(step), e.detail)
+      error, verdict = (e, DAMAGED) if reason is None else (
+          UnreadableCheckpoint(directory, step, reason), UNREADABLE)
+    verdict = _on_any_process(verdict)
+    if verdict == OK:
       return result, step, damaged
+    if verdict == UNREADABLE:
+      if not isinstance(error, UnreadableCheckpoint):
+        error = UnreadableCheckpoint(directory, step, "not readable on another process")
+      raise error
     error = error or DamagedCheckpoint(directory, step, "on another process")
     if strict:
       undo = f"leave out {strict}" if strict.startswith("--") else f"set {strict}=false"
@@ -112,6 +166,16 @@ def newest_intact(directory, steps: list[int], read: Callable[[int], T], strict:
   raise ConfigError(f"no intact checkpoint in {directory}: " +
                     "; ".join(str(e) for e in damaged) +
                     "; repair one, or start over with --fresh --overwrite")
+
+
+def saved_steps(directory) -> list[int]:
+  """The complete steps in `directory`, oldest first, without opening any (Orbax names a
+  step's directory by its number only once the step is committed)."""
+  try:
+    return sorted(int(p.name) for p in Path(directory).iterdir()
+                  if p.name.isdigit() and p.is_dir())
+  except OSError:
+    return []
 
 
 PROBE = ".shardlab-write-test-"  # a file each process writes once to test the directory
@@ -142,8 +206,10 @@ def prepare(directory: str | Path, fresh: bool, overwrite: bool,
   if path.exists() and not path.is_dir():
     raise ConfigError(f"{flag} {str(directory)!r} exists and is not a directory")
   _check_writable(path, flag)
-  # Another process's probe may come and go meanwhile: it is not content.
-  content = [c for c in path.iterdir() if not c.name.startswith(PROBE)]
+  checkpoint_lock.lock(path, flag)  # before deleting anything: it may be another run's
+  # Another process's probe may come and go meanwhile: it is not content; nor is our lock.
+  content = [c for c in path.iterdir()
+             if not c.name.startswith(PROBE) and c.name != checkpoint_lock.LOCK_NAME]
   if not fresh or not content:
     return
   if not overwrite:
