@@ -145,4 +145,4 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
 
   out = launched(train_cmd(step + 1, "--checkpoint-dir", str(ckpt)))
   assert f"[0] resuming from the checkpoint at step {step} in {ckpt}" in out
-  assert f"[0] step {step + 1:>6}/{step + 1}" in out
+  assert f"[0] step {step + 1}/{step + 1}" in out

@@ -53,7 +53,7 @@ def losses(path: Path) -> list[float]:
 
 def test_two_processes_match_one_process(tmp_path):
   out = launched(train_cmd(4, "--metrics-file", str(tmp_path / "two.jsonl")))
-  assert "[0] step      4/4" in out and "[1] step" not in out  # process 0 reports alone
+  assert "[0] step 4/4" in out and "[1] step" not in out  # process 0 reports alone
   single(train_cmd(4, "--metrics-file", str(tmp_path / "one.jsonl")))
   two, one = losses(tmp_path / "two.jsonl"), losses(tmp_path / "one.jsonl")
   assert len(two) == len(one) == 4
@@ -64,11 +64,11 @@ def test_checkpoints_cross_process_counts(tmp_path):
   a, b = tmp_path / "from_two", tmp_path / "from_one"
   launched(train_cmd(2, "--checkpoint-dir", str(a)))
   out = single(train_cmd(3, "--checkpoint-dir", str(a)))
-  assert "resuming from the checkpoint at step 2" in out and "step      3/3" in out
+  assert "resuming from the checkpoint at step 2" in out and "step 3/3" in out
 
   single(train_cmd(2, "--checkpoint-dir", str(b)))
   out = launched(train_cmd(3, "--checkpoint-dir", str(b)))
-  assert "[0] resuming from the checkpoint at step 2" in out and "[0] step      3/3" in out
+  assert "[0] resuming from the checkpoint at step 2" in out and "[0] step 3/3" in out
 
 
 def _children(pid: int) -> list[int]:
