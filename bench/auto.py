@@ -21,7 +21,8 @@ import core  # noqa: E402  (simulates the 8 devices first)
 
 from shardlab import config  # noqa: E402
 from shardlab.models import registry  # noqa: E402
-from shardlab.plan import auto, auto_layout  # noqa: E402
+from shardlab.plan.auto import choice as auto  # noqa: E402
+from shardlab.plan.auto import layout as auto_layout  # noqa: E402
 
 MODELS = {"tiny": (registry.load("tiny"), 16, 128, "fp32"),
           "peer": (core.PEER_MODEL, 8, 256, "bf16")}

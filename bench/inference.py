@@ -35,8 +35,8 @@ from shardlab import config as config_lib  # noqa: E402
 from shardlab import generate  # noqa: E402
 from shardlab.models import registry  # noqa: E402
 from shardlab.observe import throughput  # noqa: E402
-from shardlab.plan import inference as inf  # noqa: E402
-from shardlab.plan import inference_estimate as inf_estimate  # noqa: E402
+from shardlab.plan.serving import terms as inf  # noqa: E402
+from shardlab.plan.serving import estimate as inf_estimate  # noqa: E402
 from shardlab.runtime import hardware  # noqa: E402
 from shardlab.sharding import mesh as mesh_lib  # noqa: E402
 from shardlab.training import run as run_lib  # noqa: E402

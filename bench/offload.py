@@ -18,7 +18,6 @@ the results as JSON.
 """
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -64,18 +63,18 @@ def _trained(cfg, lora) -> int:
 
 
 def tpu_rows() -> list[dict]:
-  from shardlab.plan import aot
-  from shardlab.plan import compile as plan_compile
-  from shardlab.plan import planner as plan
+  from shardlab.plan.compiled import aot
+  from shardlab.plan.compiled import train_step as plan_compile
+  from shardlab.plan.training import planner as plan
   rows = []
   for model, per_chip, name, overrides in TPU_CASES:
-    req = plan.Request(model=model, precision="bf16", global_batch=256 * per_chip,
-                       seq_len=2048, remat="full", strategy="fsdp", devices=256,
-                       target="tpu-v5e")
+    req = plan.Request.of(model=model, precision="bf16", global_batch=256 * per_chip,
+                          seq_len=2048, remat="full", strategy="fsdp", devices=256,
+                          target="tpu-v5e")
     cfg = config.apply_overrides(plan_compile.run_config(req, plan_compile._spec(req)),
                                  overrides)
     report = aot.compile_on_tpu(cfg, "v5e", 256)
-    req = dataclasses.replace(req, remat=cfg.train.remat, offload=cfg.train.offload)
+    req = req.with_train(remat=cfg.train.remat, offload=cfg.train.offload)
     est = plan.estimate(req, registry.load(model), plan.hardware.get("tpu-v5e"),
                         plan_compile._spec(req))
     row = {"model": model, "per_chip": per_chip, "option": name,

@@ -1,7 +1,7 @@
 """The planner's per-device memory against XLA's compiled memory analysis across the reference
-grid (shardlab.plan.compile.GRID: 125m, gpt2-124m and llama2-7b on 64 simulated devices ×
-fsdp, zero2, fsdp_tp × remat none, full × two sequence lengths; fp32 on CPU), printed as the
-markdown table in docs/planning.md.
+grid (shardlab.plan.compiled.train_step.GRID: 125m, gpt2-124m and llama2-7b on 64 simulated
+devices × fsdp, zero2, fsdp_tp × remat none, full × two sequence lengths; fp32 on CPU),
+printed as the markdown table in docs/planning.md.
 
   .venv/bin/python bench/plan_grid.py [--only 125m ...] [--json PATH]
 
@@ -23,7 +23,7 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shardlab.plan import compile as plan_compile  # noqa: E402
+from shardlab.plan.compiled import train_step as plan_compile  # noqa: E402
 
 GiB = 2**30
 

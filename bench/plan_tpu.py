@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shardlab import config  # noqa: E402
 from shardlab.models import registry  # noqa: E402
-from shardlab.plan import aot  # noqa: E402
-from shardlab.plan import compile as plan_compile  # noqa: E402
-from shardlab.plan import planner as plan  # noqa: E402
+from shardlab.plan.compiled import aot  # noqa: E402
+from shardlab.plan.compiled import train_step as plan_compile  # noqa: E402
+from shardlab.plan.training import planner as plan  # noqa: E402
 
 GiB = 2**30
 CONFIGS = {
@@ -44,8 +44,8 @@ CONFIGS = {
 
 def run(name: str, per_chip: int = 1, overrides=(), dump: Path | None = None) -> dict:
   model, target, chips, ref_gib, ref_s = CONFIGS[name]
-  req = plan.Request(model=model, precision="bf16", global_batch=chips * per_chip,
-                     seq_len=2048, remat="full", strategy="fsdp", devices=chips, target=target)
+  req = plan.Request.of(model=model, precision="bf16", global_batch=chips * per_chip,
+                        seq_len=2048, remat="full", strategy="fsdp", devices=chips, target=target)
   spec = plan_compile._spec(req)
   cfg = config.apply_overrides(plan_compile.run_config(req, spec), list(overrides))
   acc = plan.hardware.get(target)
@@ -63,7 +63,7 @@ def run(name: str, per_chip: int = 1, overrides=(), dump: Path | None = None) ->
       "ratio_state": cmp["ratio"]["state"], "fits": report.total_bytes <= acc.usable_bytes,
       "usable_gib": acc.usable_bytes / GiB, "compile_s": report.compile_s,
       "compile_cpu_s": cpu_s, "reference_gib": ref_gib, "reference_compile_s": ref_s,
-      "collectives": report.collectives, "analytic_collectives": est.collectives,
+      "collectives": report.kinds(), "analytic_collectives": est.collectives,
   }
 
 

@@ -5,7 +5,7 @@ docs/serving.md, from the planners (nothing is compiled; about half a minute on 
 
 Training: AdamW, bf16 compute with fp32 master weights and moments, full remat, 1024
 sequences of 4096 tokens per step; the fewest devices at any microbatch count
-(`shardlab plan`'s any-microbatch answer). Serving (`shardlab plan --inference`): 8192-token
+(`shardlab plan`'s any-microbatch answer). Serving (`shardlab plan serve`): 8192-token
 context, batch 1 and 32, bf16 and int8 weights, bf16 KV cache, one sequence prefilled at a
 time; the fewest devices over tensor × stage × data layouts and the roofline decode speed
 there. tests/test_seed_question.py checks that docs/serving.md holds this output.
@@ -23,9 +23,9 @@ from pathlib import Path  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shardlab.models import registry  # noqa: E402
-from shardlab.plan import inference as inf  # noqa: E402
-from shardlab.plan import inference_plan  # noqa: E402
-from shardlab.plan import planner  # noqa: E402
+from shardlab.plan.serving import terms as inf  # noqa: E402
+from shardlab.plan.serving import planner as inference_plan  # noqa: E402
+from shardlab.plan.training import planner  # noqa: E402
 from shardlab.runtime import hardware  # noqa: E402
 
 MODELS = ("llama2-70b", "llama3-70b", "llama3-405b")
@@ -36,9 +36,9 @@ TRAIN_BATCH, TRAIN_SEQ = 1024, 4096
 
 
 def training_cell(model: str, target: str) -> str:
-  req = planner.Request(model=model, target=target, optimizer="adamw", precision="bf16",
-                        global_batch=TRAIN_BATCH, seq_len=TRAIN_SEQ, remat="full",
-                        devices=8)
+  req = planner.Request.of(model=model, target=target, optimizer="adamw", precision="bf16",
+                           global_batch=TRAIN_BATCH, seq_len=TRAIN_SEQ, remat="full",
+                           devices=8)
   mins, _ = planner.min_devices(req, registry.load(model), hardware.get(target))
   best = mins["any_microbatches"]
   if best is None:

@@ -50,7 +50,7 @@ class LlamaConfig:
   activations = decoder.ACTIVATIONS
   no_weight_decay = llama.NO_WEIGHT_DECAY
   remat_policies = tuple(parallel.REMAT_POLICIES)
-  # What autodiff saves per layer, for the planner (shardlab/plan/memory.py), by shape — d
+  # What autodiff saves per layer, for the planner (plan/training/memory.py), by shape — d
   # B×L×D, q B×L×H×E, kv B×L×K×E, scores B×H×L×L, mlp B×L×F — as (fp32, compute-dtype)
   # counts; read off jax.ad_checkpoint.print_saved_residuals of this model. Each RMSNorm's
   # input and output (its backward keeps one fp32 scalar a position besides); q, k, v, the

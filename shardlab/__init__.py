@@ -32,8 +32,8 @@ _API = {
     # the bundled models' runs, configured
     "Config": ("shardlab.config", "Config"),
     "setup": ("shardlab.training.run", "setup"),
-    "auto_layout": ("shardlab.plan.auto_layout", "auto_layout"),
-    "plan_module": ("shardlab.plan.module", "plan_module"),
+    "auto_layout": ("shardlab.plan.auto.layout", "auto_layout"),
+    "plan_module": ("shardlab.plan.module.planner", "plan_module"),
     "ConfigError": ("shardlab.errors", "ConfigError"),
 }
 

@@ -181,7 +181,7 @@ class Generator:
 
   def lower_decode(self, batch: int, length: int):
     """The greedy decode step for `batch` rows and a cache of `length`, lowered with abstract
-    sharded inputs: nothing is allocated (`plan --inference --compile`)."""
+    sharded inputs: nothing is allocated (`plan serve --compile`)."""
     steps = self._steps(batch, length, Sampling(temperature=0.0, top_k=0))
     place = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
     params = jax.tree.map(place, self.abstract.state.params, self.sh.on_device.params)

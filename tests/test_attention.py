@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import helpers as H
 from shardlab.parallel import flash as attention
 from shardlab.parallel.attention import attend, causal_mask
-from shardlab.plan import aot
+from shardlab.plan.compiled import aot
 from shardlab.sharding import rules as rules_lib
 from shardlab.sharding.activations import activation_rules
 from shardlab.testing import assert_collectives

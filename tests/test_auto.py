@@ -14,8 +14,9 @@ import pytest
 import helpers as H
 from shardlab.cli.train import train_main
 from shardlab.errors import ConfigError
-from shardlab.plan import aot, auto_layout
-from shardlab.plan.estimate import Request
+from shardlab.plan.compiled import aot
+from shardlab.plan.auto import layout as auto_layout
+from shardlab.plan.training.estimate import Request
 from shardlab.runtime import hardware
 
 SMALL = os.path.join(os.path.dirname(__file__), "data", "small-gpu.toml")
@@ -162,7 +163,7 @@ def test_hlo_flops_unrolls_loops_and_skips_padding_taps():
 @pytest.mark.skipif(not aot.libtpu_available(), reason="needs libtpu (CI installs it)")
 def test_tpu_topology_choice_compiles_and_fits():
   """llama2-70b on a v5e-256: the choice is one the TPU compiler accepted and fits."""
-  req = Request(model="llama2-70b", target="tpu-v5e", global_batch=256, seq_len=2048)
+  req = Request.of(model="llama2-70b", target="tpu-v5e", global_batch=256, seq_len=2048)
   choice = auto_layout.for_request(req, 256, "tpu", top_k=1, say=quiet)
   w = choice.winner
   assert w.fits and w.report.where.startswith("tpu v5e:16x16")

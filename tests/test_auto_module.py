@@ -9,7 +9,9 @@ from flax import nnx
 
 import helpers as H
 import shardlab as sl
-from shardlab.plan import auto, auto_layout, auto_module
+from shardlab.plan.auto import choice as auto
+from shardlab.plan.auto import layout as auto_layout
+from shardlab.plan.auto import module as auto_module
 
 quiet = lambda text: None
 mixer = H.mixer()

@@ -221,6 +221,6 @@ def test_malformed_rule_overrides(override, message):
 
 
 def test_plan_names_an_unknown_strategy_before_asking_for_a_mesh():
-  from shardlab.plan import planner
+  from shardlab.plan.training import planner
   with pytest.raises(ConfigError, match=r"unknown strategy 'nosuch'"):
-    planner.Request(model="tiny", strategy="nosuch")
+    planner.Request.of(model="tiny", strategy="nosuch")

@@ -11,7 +11,7 @@ import helpers as H
 from shardlab import generate
 from shardlab.models import registry
 from shardlab.models.gpt2_config import GPT2Config
-from shardlab.plan import inspect as inspect_state
+from shardlab.plan.training import layout as inspect_state
 from shardlab.training import run as run_lib
 
 # The released checkpoints' parameter counts (GPT2LMHeadModel, tied head).

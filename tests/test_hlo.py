@@ -201,7 +201,7 @@ def test_tpu_fused_reduce_scatters_and_split_async_copies():
 def _tpu_devices():
   if importlib.util.find_spec("libtpu") is None:
     pytest.skip("libtpu is not installed (pip install 'jax[tpu]'; compiling needs no TPU)")
-  from shardlab.plan import aot
+  from shardlab.plan.compiled import aot
   return aot.tpu_devices("v5e", 8)[0]
 
 

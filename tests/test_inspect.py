@@ -10,9 +10,9 @@ import pytest
 
 import helpers
 from shardlab.cli import inspect as inspect_cli
-from shardlab.plan import inspect as inspect_state
+from shardlab.plan.training import layout as inspect_state
 from shardlab.sharding import mesh as mesh_lib
-from shardlab.plan import planner as plan
+from shardlab.plan.training import planner as plan
 from shardlab.sharding import rules as rules_lib
 from shardlab.training import state as state_lib
 from shardlab.training import run as run_lib

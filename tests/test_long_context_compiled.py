@@ -11,7 +11,8 @@ import pytest
 
 from shardlab import config
 from shardlab.models import registry
-from shardlab.plan import aot
+from shardlab.observe.step_report import StepReport
+from shardlab.plan.compiled import aot
 
 MiB = 2**20
 
@@ -22,7 +23,7 @@ def tiny(seq: int, **model):
 
 @functools.cache
 def compiled(strategy: str, mesh: str, seq: int, backend: str = "cpu", devices: int = 8,
-             batch: int = 8, **model) -> aot.CompiledReport:
+             batch: int = 8, **model) -> StepReport:
   cfg = config.Config(model=tiny(seq, **dict(model)), mesh=mesh, strategy=strategy,
                       train=config.TrainConfig(global_batch=batch, seq_len=seq,
                                                precision="bf16", remat="none"))
@@ -34,11 +35,11 @@ def compiled(strategy: str, mesh: str, seq: int, backend: str = "cpu", devices: 
 
 
 def count(report, kind):
-  return report.collectives.get(kind, {}).get("count", 0)
+  return report.kinds().get(kind, {}).get("count", 0)
 
 
 def nbytes(report, kind):
-  return report.collectives.get(kind, {}).get("bytes", 0)
+  return report.kinds().get(kind, {}).get("bytes", 0)
 
 
 def test_sequence_parallel_swaps_all_reduces_for_reduce_scatter_and_all_gather_on_tpu():

@@ -7,10 +7,10 @@ import importlib.resources
 import pytest
 
 from shardlab.models import registry
-from shardlab.plan import aot
-from shardlab.plan import compile as plan_compile
-from shardlab.plan import experts as plan_experts
-from shardlab.plan import planner as plan
+from shardlab.plan.compiled import aot
+from shardlab.plan.compiled import train_step as plan_compile
+from shardlab.plan.training import experts as plan_experts
+from shardlab.plan.training import planner as plan
 from shardlab.runtime import hardware
 from shardlab.sharding import mesh as mesh_lib
 
@@ -32,8 +32,8 @@ def test_planned_memory_matches_the_compiled_moe_step(dispatch, strategy, mesh, 
   model_file = tmp_path / f"moe-tiny-{dispatch}.toml"
   preset = importlib.resources.files("shardlab.models") / "presets" / "moe-tiny.toml"
   model_file.write_text(preset.read_text() + f'dispatch = "{dispatch}"\n')
-  req = plan.Request(model=str(model_file), precision="fp32", global_batch=32, seq_len=128,
-                     remat="none", strategy=strategy, mesh=mesh, target="a100-80g")
+  req = plan.Request.of(model=str(model_file), precision="fp32", global_batch=32, seq_len=128,
+                        remat="none", strategy=strategy, mesh=mesh, target="a100-80g")
   spec = mesh_lib.load(req.mesh)
   report = aot.compile_on_cpu(plan_compile.run_config(req, spec), 8)
   est = plan.estimate(req, registry.load(req.model), hardware.get(req.target), spec,
@@ -62,8 +62,8 @@ def test_expert_figures():
 
 
 def test_search_includes_the_expert_axis():
-  req = plan.Request(model="moe-tiny", precision="fp32", global_batch=32, seq_len=128,
-                     target="a100-80g")
+  req = plan.Request.of(model="moe-tiny", precision="fp32", global_batch=32, seq_len=128,
+                        target="a100-80g")
   found = plan.search(req, registry.load("moe-tiny"), hardware.get("a100-80g"), 16)
   experts = {e.mesh_shape.get("expert", 1) for e in found}
   assert {2, 4, 8} <= experts and 1 in experts

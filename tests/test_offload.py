@@ -14,9 +14,9 @@ import pytest
 import helpers as H
 from shardlab import config as config_lib
 from shardlab.models import registry
-from shardlab.plan import aot
-from shardlab.plan import compile as plan_compile
-from shardlab.plan import planner as plan
+from shardlab.plan.compiled import aot
+from shardlab.plan.compiled import train_step as plan_compile
+from shardlab.plan.training import planner as plan
 from shardlab.runtime import hardware
 from shardlab.training import checkpoint as checkpoint_lib
 
@@ -141,9 +141,9 @@ def test_tpu_compile_moves_the_offloaded_bytes_to_the_host(tmp_path):
   reports, estimates = {}, {}
   for name, kw in {"none": {}, "opt_state": dict(offload="opt_state"),
                    "remat": dict(remat="offload")}.items():
-    req = plan.Request(model=str(path), optimizer="sgd", precision="bf16", global_batch=32,
-                       seq_len=512, strategy="fsdp", devices=4, target="tpu-v5e",
-                       **{"remat": "full", **kw})
+    req = plan.Request.of(model=str(path), optimizer="sgd", precision="bf16", global_batch=32,
+                          seq_len=512, strategy="fsdp", devices=4, target="tpu-v5e",
+                          **{"remat": "full", **kw})
     spec = plan_compile._spec(req)
     reports[name] = aot.compile_on_tpu(plan_compile.run_config(req, spec), "v5e", 4)
     estimates[name] = plan.estimate(req, model, hardware.get("tpu-v5e"), spec)

@@ -1,4 +1,4 @@
-"""The planner's pipeline (shardlab/plan/pipeline.py): bubble, per-stage memory,
+"""The planner's pipeline (shardlab/plan/training/pipeline.py): bubble, per-stage memory,
 point-to-point bytes and the weight traffic inside a stage, checked against the compiled
 step; the compiled schedule's loop length and useful-slot fraction against the bubble
 formula; `plan --search` offers stages across nodes and ranks them ahead of fsdp over DCN
@@ -14,9 +14,9 @@ import test_pipeline as TP
 from shardlab.models import registry
 from shardlab.parallel import pipeline
 from shardlab.observe import hlo
-from shardlab.plan import pipeline as plan_pipeline
-from shardlab.plan import planner as plan
-from shardlab.plan import search as plan_search
+from shardlab.plan.training import pipeline as plan_pipeline
+from shardlab.plan.training import planner as plan
+from shardlab.plan.training import search as plan_search
 from shardlab.runtime import hardware
 from shardlab.sharding import mesh as mesh_lib
 
@@ -28,7 +28,7 @@ def request(case: str, **kw) -> plan.Request:
                global_batch=t.global_batch, seq_len=t.seq_len, remat="none",
                microbatches=microbatches, pipeline_repeats=repeats, strategy=strategy,
                mesh=mesh, target="h100-80g")
-  return plan.Request(**{**given, **kw})
+  return plan.Request.of(**{**given, **kw})
 
 
 def estimate(case: str):
@@ -128,7 +128,7 @@ def test_compiled_schedule_runs_its_iterations_and_bubble(case):
 def dcn_request(**kw) -> plan.Request:
   """llama2-70b on 4 nodes of 8 H100s, short sequences, 8 microbatches: fsdp's per-microbatch
   weight traffic over DCN outweighs its compute."""
-  return plan.Request(**{**dict(model="llama2-70b", global_batch=256, seq_len=512,
+  return plan.Request.of(**{**dict(model="llama2-70b", global_batch=256, seq_len=512,
                                 microbatches=8, target="h100-80g", devices=32), **kw})
 
 

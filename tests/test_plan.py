@@ -8,9 +8,9 @@ import pytest
 
 from shardlab.runtime import hardware
 from shardlab.observe import hlo
-from shardlab.plan import planner as plan
+from shardlab.plan.training import planner as plan
 from shardlab.cli import plan as plan_cli
-from shardlab.plan import plot as plan_plot
+from shardlab.plan.training import plot as plan_plot
 from shardlab.errors import ConfigError
 from shardlab.models import registry
 
@@ -38,8 +38,8 @@ def test_cli_reproduces_zero_paper_figure_1(capsys, strategy, mesh, paper_gb, by
 def test_fp32_gradients_cost_what_the_default_says():
   """The default grad dtype under bf16 is fp32: 2 more bytes per parameter than Figure 1."""
   model = registry.load(ZERO_MODEL)
-  req = plan.Request(model=ZERO_MODEL, precision="bf16", strategy="zero1", mesh="data:64",
-                     global_batch=64, seq_len=128, target="a100-80g")
+  req = plan.Request.of(model=ZERO_MODEL, precision="bf16", strategy="zero1", mesh="data:64",
+                        global_batch=64, seq_len=128, target="a100-80g")
   e = plan.estimate(req, model, hardware.get("a100-80g"), plan.resolve_mesh(req, model, None))
   assert e.memory.grads == pytest.approx(4 * model.n_params)
 
@@ -95,7 +95,7 @@ def test_hlo_collectives_weights_loops_and_pairs_async_ops():
 def small_request(**kw) -> plan.Request:
   base = dict(model="125m", precision="bf16", global_batch=64, seq_len=512, remat="full",
               strategy="fsdp", devices=8, target="a100-40g")
-  return plan.Request(**{**base, **kw})
+  return plan.Request.of(**{**base, **kw})
 
 
 def test_search_lists_only_fitting_meshes_fastest_first():
@@ -116,8 +116,8 @@ def test_search_lists_only_fitting_meshes_fastest_first():
 
 
 def test_min_devices_and_fit_for_70b():
-  req = plan.Request(model="llama2-70b", precision="bf16", global_batch=64, seq_len=4096,
-                     remat="full", strategy="fsdp", devices=64, target="a100-80g")
+  req = plan.Request.of(model="llama2-70b", precision="bf16", global_batch=64, seq_len=4096,
+                        remat="full", strategy="fsdp", devices=64, target="a100-80g")
   result = plan.plan(req)
   assert result.fits
   fsdp_min = result.min_devices["fsdp"]["devices"]
@@ -184,11 +184,33 @@ def test_request_is_a_plain_dataclass():
   assert dataclasses.asdict(small_request())["model"] == "125m"
 
 
+def test_request_from_a_run_config_plans_what_it_would_run():
+  from shardlab import config
+  train = config.TrainConfig(global_batch=16, seq_len=64, precision="fp32", remat="none")
+  cfg = config.Config(model=registry.load("tiny"), mesh="fsdp:8", strategy="fsdp",
+                      train=train, lora=config.LoraConfig(rank=4))
+  req = plan.Request.from_config(cfg, target="a100-80g")
+  assert (req.train, req.lora, req.mesh, req.strategy) == (train, cfg.lora, "fsdp:8", "fsdp")
+  assert plan.run_config(req, cfg.model, cfg.mesh) == cfg  # nothing lost on the way
+  assert plan.plan(req).estimate.n_devices == 8
+
+
+def test_a_bad_train_setting_gets_the_configs_own_error(capsys):
+  # Validated once, by TrainConfig: the message names the config key.
+  with pytest.raises(ConfigError, match=r"unknown train.remat 'bogus'"):
+    plan.Request.of(remat="bogus")
+  assert plan_cli.plan_main(["train", "--optimizer", "adam", "--devices", "8"]) == 2
+  assert "unknown train.optimizer 'adam'" in capsys.readouterr().err
+  # The serving mode flag is a subcommand now: refused, naming it.
+  assert plan_cli.plan_main(["--inference", "--model", "tiny"]) == 2
+  assert "shardlab plan serve" in capsys.readouterr().err
+
+
 def _every_estimate(req: plan.Request, n: int) -> list:
   """Every valid (strategy, factorisation) on n devices, by brute force."""
-  model, acc = registry.load(req.model), hardware.get(req.target)
+  model, acc = req.model_config(), hardware.get(req.target)
   out = []
-  for shape in plan.factorizations(n, req.seq_len):
+  for shape in plan.factorizations(n, req.train.seq_len):
     for strategy in plan.STRATEGIES:
       try:
         out.append(plan.estimate(req, model, acc, plan.split_ici_dcn(shape, acc.ici_domain),
@@ -252,14 +274,14 @@ def test_any_microbatch_count_needs_no_more_devices():
   fixed, anym = mins["overall"], mins["any_microbatches"]
   assert anym["devices"] < fixed["devices"] == 3  # accumulation: fewer sequences at once
   m = anym["microbatches"]
-  assert m > 1 and req.global_batch % m == 0
-  model, acc = registry.load(req.model), hardware.get(req.target)
-  again = dataclasses.replace(req, microbatches=m, devices=anym["devices"],
+  assert m > 1 and req.train.global_batch % m == 0
+  model, acc = req.model_config(), hardware.get(req.target)
+  again = dataclasses.replace(req.with_train(microbatches=m), devices=anym["devices"],
                               strategy=anym["strategy"])
   assert plan.estimate(again, model, acc, plan.resolve_mesh(again, model, acc)).fits
   # Where accumulation does not help, the two answers agree.
-  req70 = plan.Request(model="llama2-70b", global_batch=64, seq_len=4096, devices=64,
-                       target="a100-80g")
+  req70 = plan.Request.of(model="llama2-70b", global_batch=64, seq_len=4096, devices=64,
+                          target="a100-80g")
   mins70 = plan.plan(req70).min_devices
   assert mins70["any_microbatches"]["devices"] == mins70["overall"]["devices"] == 32
 
@@ -319,7 +341,7 @@ def test_plot_draws_every_strategy_as_the_json_reports_it(tmp_path, capsys):
   assert plan_cli.plan_main(argv + ["--json", "--plot", str(tmp_path / "m.png")]) == 0
   strategies = json.loads(capsys.readouterr().out)["strategies"]
   assert _png_size(tmp_path / "m.png") == (900, 650)
-  result = plan.plan(plan_cli.request_from_args(plan_cli.plan_parser().parse_args(argv)),
+  result = plan.plan(plan_cli.request_from_args(plan_cli.train_parser().parse_args(argv)),
                      search_meshes=True)
   labels = plan_plot.write(result, tmp_path / "s.png")
   assert _png_size(tmp_path / "s.png") == (1500, 650)  # the search panel beside

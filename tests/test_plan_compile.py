@@ -9,11 +9,11 @@ import pytest
 
 from shardlab import config
 
-from shardlab.plan import aot
+from shardlab.plan.compiled import aot
 from shardlab.runtime import hardware
 from shardlab.sharding import mesh as mesh_lib
-from shardlab.plan import planner as plan
-from shardlab.plan import compile as plan_compile
+from shardlab.plan.training import planner as plan
+from shardlab.plan.compiled import train_step as plan_compile
 from shardlab.models import registry
 
 MESHES = {"dp": "data:8", "zero1": "data:8", "zero2": "data:8", "fsdp": "fsdp:8",
@@ -40,9 +40,9 @@ KNOWN = {
 
 def compiled_and_analytic(model, strategy, remat, batch, precision="fp32", grad_dtype="auto",
                           lora=config.LoraConfig()):
-  req = plan.Request(model=model, precision=precision, grad_dtype=grad_dtype,
-                     global_batch=batch, seq_len=128, remat=remat, strategy=strategy,
-                     mesh=MESHES[strategy], target="a100-80g", lora=lora)
+  req = plan.Request.of(model=model, precision=precision, grad_dtype=grad_dtype,
+                        global_batch=batch, seq_len=128, remat=remat, strategy=strategy,
+                        mesh=MESHES[strategy], target="a100-80g", lora=lora)
   spec = mesh_lib.load(req.mesh)
   report = aot.compile_on_cpu(plan_compile.run_config(req, spec), 8)
   est = plan.estimate(req, registry.load(model), hardware.get(req.target), spec,
@@ -58,10 +58,10 @@ def test_analytic_memory_and_collectives_match_the_compiled_step(model, strategy
   low, high = KNOWN.get((model, strategy, remat, "total"), (0.85, 1.15))
   assert low <= ratio["total"] <= high, ratio
   for kind in ("all-gather", "reduce-scatter", "all-reduce"):
-    got = report.collectives[kind]["bytes"]
+    got = report.kinds()[kind]["bytes"]
     want = est.collectives[kind]
     # Collectives of a few KB (loss scalars, norm partial sums) are not modelled.
-    if max(got, want) <= 0.01 * sum(c["bytes"] for c in report.collectives.values()):
+    if max(got, want) <= 0.01 * sum(c["bytes"] for c in report.kinds().values()):
       continue
     low, high = KNOWN.get((model, strategy, kind), (0.90, 1.10))
     assert low <= want / got <= high, (kind, got, want)
@@ -109,8 +109,8 @@ def test_lora_memory_and_collectives_match_the_compiled_step(strategy):
 
 
 def test_a_mesh_larger_than_this_process_compiles_in_a_subprocess():
-  req = plan.Request(model="tiny", precision="fp32", devices=16, global_batch=32, seq_len=128,
-                     remat="none", target="a100-80g")
+  req = plan.Request.of(model="tiny", precision="fp32", devices=16, global_batch=32, seq_len=128,
+                        remat="none", target="a100-80g")
   result = plan_compile.attach(plan.plan(req), ("cpu",))
   (compiled,) = result.compiled
   assert compiled["report"]["where"] == "cpu x16"

@@ -9,10 +9,10 @@ from shardlab import generate
 from shardlab.cli import plan as plan_cli
 from shardlab.errors import ConfigError
 from shardlab.models import registry
-from shardlab.plan import aot
-from shardlab.plan import inference as inf
-from shardlab.plan import inference_estimate as inf_estimate
-from shardlab.plan import inference_plan
+from shardlab.plan.compiled import aot
+from shardlab.plan.serving import terms as inf
+from shardlab.plan.serving import estimate as inf_estimate
+from shardlab.plan.serving import planner as inference_plan
 from shardlab.runtime import hardware
 
 GiB = 2**30
@@ -151,7 +151,7 @@ def test_bad_input_names_the_field(kw, message):
 
 
 def test_cli_json_and_table(capsys):
-  argv = ["--inference", "--model", "llama3-70b", "--target", "h100-80g", "--batch", "32",
+  argv = ["serve", "--model", "llama3-70b", "--target", "h100-80g", "--batch", "32",
           "--context", "8192", "--weights", "int8"]
   assert plan_cli.plan_main(argv + ["--json"]) == 0
   out = json.loads(capsys.readouterr().out)
@@ -173,7 +173,7 @@ COMPILED = [("tiny", "data:2,tensor:2", 8, 512), ("tiny", "tensor:2", 4, 256),
 
 @pytest.mark.parametrize("model, mesh, batch, context", COMPILED)
 def test_planner_matches_the_compiled_decode_step(capsys, model, mesh, batch, context):
-  argv = ["--inference", "--model", model, "--mesh", mesh, "--batch", str(batch),
+  argv = ["serve", "--model", model, "--mesh", mesh, "--batch", str(batch),
           "--context", str(context), "--weights", "fp32", "--kv-dtype", "fp32",
           "--target", "a100-80g", "--compile", "--compile-on", "cpu", "--json"]
   assert plan_cli.plan_main(argv) == 0
@@ -186,7 +186,7 @@ def test_planner_matches_the_compiled_decode_step(capsys, model, mesh, batch, co
 @pytest.mark.skipif(not aot.libtpu_available(), reason="libtpu is not installed")
 def test_planner_matches_the_decode_step_compiled_for_a_tpu_topology(capsys):
   """llama2-7b in bf16 on a v5e-8 slice (tensor=8), 16 sequences of 4096 tokens."""
-  argv = ["--inference", "--model", "llama2-7b", "--target", "tpu-v5e", "--mesh", "tensor:8",
+  argv = ["serve", "--model", "llama2-7b", "--target", "tpu-v5e", "--mesh", "tensor:8",
           "--batch", "16", "--context", "4096", "--compile", "--json"]
   assert plan_cli.plan_main(argv) == 0
   compiled = json.loads(capsys.readouterr().out)["compiled"][0]

@@ -3,10 +3,10 @@
 
 import pytest
 
-from shardlab.plan import aot
+from shardlab.plan.compiled import aot
 from shardlab.runtime import hardware
-from shardlab.plan import planner as plan
-from shardlab.plan import compile as plan_compile
+from shardlab.plan.training import planner as plan
+from shardlab.plan.compiled import train_step as plan_compile
 from shardlab.models import registry
 
 pytestmark = pytest.mark.skipif(
@@ -37,8 +37,8 @@ def test_train_step_compiles_for_a_tpu_topology(tmp_path):
   model = tmp_path / "tpu-small.toml"
   model.write_text(MODEL)
   # SGD and no remat keep the TPU compile short on two CPU cores.
-  req = plan.Request(model=str(model), optimizer="sgd", precision="bf16", global_batch=8,
-                     seq_len=512, remat="none", strategy="fsdp", devices=4, target="tpu-v5e")
+  req = plan.Request.of(model=str(model), optimizer="sgd", precision="bf16", global_batch=8,
+                        seq_len=512, remat="none", strategy="fsdp", devices=4, target="tpu-v5e")
   spec = plan_compile._spec(req)
   report = aot.compile_on_tpu(plan_compile.run_config(req, spec), "v5e", 4,
                               dump=tmp_path / "dump")
@@ -53,7 +53,7 @@ def test_train_step_compiles_for_a_tpu_topology(tmp_path):
   assert ratio["all-gather"] == pytest.approx(1, abs=0.10), ratio
   # The TPU compiler reduce-scatters most gradients but all-reduces a few (it picks per
   # weight); the bytes convention is the same for both, so their sum is compared.
-  got = {k: c["bytes"] for k, c in report.collectives.items()}
+  got = {k: c["bytes"] for k, c in report.kinds().items()}
   reductions = got["reduce-scatter"] + got["all-reduce"]
   want = est.collectives["reduce-scatter"] + est.collectives["all-reduce"]
   assert want == pytest.approx(reductions, rel=0.10), (got, est.collectives)
@@ -71,13 +71,13 @@ def test_gradients_are_reduced_in_the_matmul_dtype(tmp_path, grad_dtype):
   the sharding constraint does not move the reduction); the planner agrees."""
   model = tmp_path / "tpu-small.toml"
   model.write_text(MODEL)
-  req = plan.Request(model=str(model), optimizer="sgd", precision="bf16", global_batch=8,
-                     seq_len=512, remat="none", strategy="zero2", mesh="data:4",
-                     target="tpu-v5e", grad_dtype=grad_dtype)
+  req = plan.Request.of(model=str(model), optimizer="sgd", precision="bf16", global_batch=8,
+                        seq_len=512, remat="none", strategy="zero2", mesh="data:4",
+                        target="tpu-v5e", grad_dtype=grad_dtype)
   spec = plan_compile._spec(req)
   report = aot.compile_on_tpu(plan_compile.run_config(req, spec), "v5e", 4)
   est = plan.estimate(req, registry.load(str(model)), hardware.get("tpu-v5e"), spec)
-  got = {k: c["bytes"] for k, c in report.collectives.items()}
+  got = {k: c["bytes"] for k, c in report.kinds().items()}
   reductions = got["reduce-scatter"] + got["all-reduce"]
   n_params = registry.load(str(model)).n_params
   assert reductions == pytest.approx(n_params * 2, rel=0.10), got  # not 4 bytes a param
@@ -98,9 +98,9 @@ def test_planner_memory_matches_the_tpu_compiler_on_v5e_256(model, offload):
   it. With the optimizer state offloaded (7b: 2.48 GiB on the device, 0.32 in host memory)
   the state is host bytes; the compiler holds 33 MB more host memory than the state
   (measured 1.10, not broken down)."""
-  req = plan.Request(model=model, precision="bf16", global_batch=256, seq_len=2048,
-                     remat="full", strategy="fsdp", devices=256, target="tpu-v5e",
-                     offload=offload)
+  req = plan.Request.of(model=model, precision="bf16", global_batch=256, seq_len=2048,
+                        remat="full", strategy="fsdp", devices=256, target="tpu-v5e",
+                        offload=offload)
   spec = plan_compile._spec(req)
   report = aot.compile_on_tpu(plan_compile.run_config(req, spec), "v5e", 256)
   est = plan.estimate(req, registry.load(model), hardware.get("tpu-v5e"), spec)

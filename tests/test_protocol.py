@@ -23,7 +23,7 @@ from shardlab.config import LoraConfig
 from shardlab.errors import ConfigError
 from shardlab.models import protocol, registry
 from shardlab.models.llama_config import LlamaConfig
-from shardlab.plan import planner
+from shardlab.plan.training import planner
 from shardlab.runtime import hardware
 from shardlab.sharding import rules as rules_lib
 from shardlab.training import run as run_lib

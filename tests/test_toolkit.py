@@ -144,7 +144,8 @@ def batch_shapes(size: int = 64):
 
 
 def test_own_module_inspect_and_compile_on_simulated_devices():
-  from shardlab.plan import aot, inspect
+  from shardlab.plan.compiled import aot
+  from shardlab.plan.training import layout as inspect
   _, abstract, _, shardings = trained("data:2,fsdp:2,tensor:2", "fsdp_tp")
   layout = inspect.state_layout(abstract, shardings)
   row = next(r for r in layout.params if r.path == "blocks.0.ch1")
@@ -154,19 +155,19 @@ def test_own_module_inspect_and_compile_on_simulated_devices():
   report = aot.compile_train_step(step, abstract, shardings, batch_shapes())
   batch_bytes = sum(x.size * x.dtype.itemsize for x in mixer.make_batch(0, 64).values()) // 4
   assert report.argument_bytes == layout.bytes_per_device()["state"] + batch_bytes
-  assert report.collectives["all-gather"]["count"] > 0  # fsdp gathers the weights
+  assert report.kinds()["all-gather"]["count"] > 0  # fsdp gathers the weights
 
 
 @pytest.mark.skipif(not importlib.util.find_spec("libtpu"), reason="needs libtpu (the tpu extra)")
 def test_own_module_compiles_for_a_tpu_topology():
-  from shardlab.plan import aot
+  from shardlab.plan.compiled import aot
   devices, _ = aot.tpu_devices("v5e", 4)
   abstract = sl.abstract_state(lambda: mixer.Mixer(nnx.Rngs(0)), optax.adamw(1e-3), "bf16")
   shardings = sl.shardings(abstract, sl.strategy("fsdp"), sl.mesh("fsdp:4", devices))
   step = sl.train_step(mixer.loss_fn, abstract, shardings)
   report = aot.compile_train_step(step, abstract, shardings, batch_shapes())
   assert report.where == "tpu x4"
-  assert report.collectives["reduce-scatter"]["count"] > 0  # gradients, on a real TPU compile
+  assert report.kinds()["reduce-scatter"]["count"] > 0  # gradients, on a real TPU compile
 
 
 def test_your_model_doc_runs_as_written(capsys):

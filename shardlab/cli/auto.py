@@ -1,4 +1,4 @@
-"""train.py's `--strategy auto` / `--mesh auto`: search (shardlab.plan.auto_layout), print
+"""train.py's `--strategy auto` / `--mesh auto`: search (shardlab.plan.auto.layout), print
 the table chosen from, record the choice, or keep the one a checkpoint was saved with."""
 
 import argparse
@@ -9,7 +9,8 @@ from pathlib import Path
 
 from shardlab.config import Config
 from shardlab.errors import ConfigError
-from shardlab.plan import auto, auto_layout
+from shardlab.plan.auto import choice as auto
+from shardlab.plan.auto import layout as auto_layout
 from shardlab.runtime import distributed, hardware
 from shardlab.training import checkpoint
 

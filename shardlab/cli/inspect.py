@@ -12,7 +12,7 @@ from shardlab.cli.args import add_model_mesh_strategy, add_overrides, add_simula
 from shardlab.cli.args import load_config, setup_devices
 from shardlab.errors import ConfigError
 from shardlab.observe import progress, step_report
-from shardlab.plan import inspect as inspect_state
+from shardlab.plan.training import layout as inspect_state
 from shardlab.training import run as run_lib
 
 

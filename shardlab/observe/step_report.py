@@ -1,5 +1,6 @@
 """What a compiled step does per device: its collectives (kind, count, bytes, mesh axes) and
-XLA's memory analysis. Counting, bytes (and their conventions) and the mesh axes a
+XLA's memory analysis — the one report type of every compiled step (training, inspect, the
+planner's ahead-of-time compiles). Counting, bytes (and their conventions) and the mesh axes a
 collective's replica groups span are shardlab.observe.hlo's and hlo_groups'.
 
     compiled = train_step.lower(state, batch).compile()
@@ -10,7 +11,7 @@ import dataclasses
 
 from jax.sharding import Mesh
 
-from shardlab.observe import hlo, hlo_groups
+from shardlab.observe import hlo, hlo_flops, hlo_groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,15 +25,22 @@ class CollectiveRow:
 
 @dataclasses.dataclass(frozen=True)
 class StepReport:
+  """One compiled step's report, wherever it was compiled: the training loop's first step,
+  `shardlab inspect --collectives`, and the planner's ahead-of-time compiles (train and
+  decode steps, which also fill where, n_devices, compile_s and flops)."""
   collectives: list[CollectiveRow]
   argument_bytes: int
   output_bytes: int
   alias_bytes: int
   temp_bytes: int
-  code_bytes: int
+  code_bytes: int = 0
   # Peak host memory (offloaded state and activations); 0 where the backend reports none:
   # XLA:CPU does not tell host from device memory.
   host_bytes: int = 0
+  where: str = ""  # "cpu x8" or "tpu v5e:16x16"
+  n_devices: int = 0
+  compile_s: float = 0.0
+  flops: float = 0.0  # matmul FLOPs per device per step, loops unrolled (observe.hlo_flops)
 
   @property
   def total_bytes(self) -> int:
@@ -46,13 +54,34 @@ class StepReport:
       out.setdefault(row.kind, {})[row.axes] = row.bytes
     return out
 
+  def kinds(self) -> dict[str, dict]:
+    """{kind: {"count", "bytes", "ops"}} over all axes, every kind of hlo.KINDS (zeros
+    included): what the planner sets beside its formulas."""
+    out = {k: {"count": 0, "bytes": 0, "ops": 0} for k in hlo.KINDS}
+    for row in self.collectives:
+      k = out.setdefault(row.kind, {"count": 0, "bytes": 0, "ops": 0})
+      k["count"], k["bytes"], k["ops"] = (k["count"] + row.count, k["bytes"] + row.bytes,
+                                          k["ops"] + row.ops)
+    return out
+
   def as_dict(self) -> dict:
-    return dict(dataclasses.asdict(self), total_bytes=self.total_bytes)
+    return dict(dataclasses.asdict(self), total_bytes=self.total_bytes, kinds=self.kinds())
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "StepReport":
+    """The inverse of as_dict (the AOT compile's subprocess sends its report as JSON)."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    rows = [CollectiveRow(**r) for r in d["collectives"]]
+    return cls(**{k: v for k, v in d.items() if k in fields and k != "collectives"},
+               collectives=rows)
 
 
-def report(compiled, mesh: Mesh) -> StepReport:
-  """The report of a compiled (jit(...).lower(...).compile()) step over `mesh`."""
-  stats = hlo.collectives(compiled.as_text(),
+def report(compiled, mesh: Mesh, where: str = "", compile_s: float = 0.0,
+           flops: bool = False) -> StepReport:
+  """The report of a compiled (jit(...).lower(...).compile()) step over `mesh`; `flops`
+  also counts its matmul FLOPs (observe.hlo_flops: a second walk of the HLO)."""
+  text = compiled.as_text()
+  stats = hlo.collectives(text,
                           label=lambda op: ",".join(hlo_groups.mesh_axes(op.groups, mesh)))
   rows = [CollectiveRow(kind, axes, c.count, c.bytes, c.ops)
           for (kind, axes), c in stats.items()]
@@ -63,7 +92,9 @@ def report(compiled, mesh: Mesh) -> StepReport:
                     get("alias_size_in_bytes"), get("temp_size_in_bytes"),
                     get("generated_code_size_in_bytes"),
                     get("host_argument_size_in_bytes") + get("host_output_size_in_bytes") -
-                    get("host_alias_size_in_bytes") + get("host_temp_size_in_bytes"))
+                    get("host_alias_size_in_bytes") + get("host_temp_size_in_bytes"),
+                    where or f"{mesh.devices.flat[0].platform} x{mesh.size}", mesh.size,
+                    compile_s, hlo_flops.dot_flops(text) if flops else 0.0)
 
 
 def bytes_text(n: float) -> str:

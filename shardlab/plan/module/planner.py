@@ -6,16 +6,16 @@
     print(plan.render())
 
 What it counts, per device:
-  * params, master weights, gradients, optimizer state (shardlab.plan.state_bytes): exact,
+  * params, master weights, gradients, optimizer state (plan.training.state_bytes): exact,
     from the abstract state and the same shardings the train step uses; with the batch and
     the step counter they are the compiled step's argument bytes to the byte;
-  * activations: the residuals the backward reads (shardlab.plan.residuals): `jax.vjp` of the
+  * activations: the residuals the backward reads (module.residuals): `jax.vjp` of the
     loss over the working params, traced (never lowered) under the step's context
     (`activation_rules`, so `sl.constrain` applies) on one microbatch, with the module's own
     remat; each residual divided by the shardings propagated to it from the params', the
     batch's and the model's constraints, and left out where XLA recomputes it in a fused
     kernel instead of storing it;
-  * temporaries: the rest of the backward's peak (shardlab.plan.liveness): cotangents, the
+  * temporaries: the rest of the backward's peak (module.liveness): cotangents, the
     layers a remat rebuilds, the loss's buffers, the gradients as they accumulate, walked op
     by op in program order.
 
@@ -34,15 +34,20 @@ import optax
 from jax.sharding import Mesh
 
 from shardlab.errors import ConfigError
-from shardlab.plan import aot, liveness, program, residuals, state_bytes
-from shardlab.plan.memory import tree_shard_bytes
+from shardlab.observe.step_report import StepReport
+from shardlab.plan.compiled import aot
+from shardlab.plan.module import liveness
+from shardlab.plan.module import program
+from shardlab.plan.module import residuals
+from shardlab.plan.training import state_bytes
+from shardlab.plan.training.memory import tree_shard_bytes
 from shardlab.sharding import rules as rules_lib
 from shardlab.sharding.activations import activation_rules
 from shardlab.training import precision as precision_lib
 from shardlab.training import state as state_lib
 from shardlab.training import step as step_lib
+from shardlab.runtime.units import GiB
 
-GiB = 2**30
 STEP_COUNTER = 4  # the train state's int32 step: one of the step's arguments
 
 
@@ -63,7 +68,7 @@ class ModulePlan:
   stored: float  # the weights the train state keeps on the device (params or master)
   host: float = 0.0  # stored weights and optimizer state offloaded to host memory
   residuals: tuple = ()  # residuals.Residual, largest first
-  compiled: aot.CompiledReport | None = None
+  compiled: StepReport | None = None
 
   @property
   def arguments(self) -> float:
@@ -108,7 +113,7 @@ def plan_module(model, optimizer: optax.GradientTransformation | None = None,
                 precision: str = "fp32", strategy="fsdp", mesh: Mesh | None = None, *,
                 batch, loss_fn: Callable, microbatches: int = 1,
                 frozen: Callable | None = None, offload: str = "none",
-                grad_dtype: str = "auto", early_grads: bool = True, scan_unroll: int = 1,
+                grad_dtype: str = "auto", early_grads: bool = True,
                 compiled: bool = False) -> ModulePlan:
   """The memory per device of `sl.train_step(loss_fn, ...)` for `model` (a factory, or an
   `sl.abstract_state` result, which then brings its optimizer, precision and frozen set),
@@ -128,7 +133,8 @@ def plan_module(model, optimizer: optax.GradientTransformation | None = None,
                        "the batch's leading dim")
   dtype = precision_lib.gradient_dtype(abstract.policy, grad_dtype)
   state = state_bytes.model_state(abstract, sh, abstract.policy, microbatches, dtype, offload)
-  with activation_rules(mesh, rules, (1, 1), early_grads, scan_unroll):
+  # The layer scan's settings (remat, unroll) are the module's own, given when it is built.
+  with activation_rules(mesh, rules, (1, 1), early_grads):
     held, peak = _backward_memory(abstract, sh, loss_fn, _microbatch(batch, microbatches),
                                   dtype)
   activations = float(sum(r.bytes for r in held))
@@ -137,8 +143,7 @@ def plan_module(model, optimizer: optax.GradientTransformation | None = None,
   report = None
   if compiled:
     step = step_lib.make_train_step(loss_fn, abstract, sh, microbatches=microbatches,
-                                    grad_dtype=grad_dtype, early_grads=early_grads,
-                                    scan_unroll=scan_unroll)
+                                    grad_dtype=grad_dtype, early_grads=early_grads)
     report = aot.compile_train_step(step, abstract, sh, batch)
   return ModulePlan(
       where=f"{','.join(f'{a}:{n}' for a, n in mesh.shape.items())} on "

@@ -5,7 +5,7 @@
 leaves, the values its backward reads. The model's own remat (`nnx.remat`, `jax.checkpoint`
 and its policies) decides which they are. `saved` then says, for each:
 
-  * its per-device bytes: residuals are global shapes; the Specs shardlab.plan.program
+  * its per-device bytes: residuals are global shapes; the Specs module.program
     propagates from the arguments' shardings and the model's `sl.constrain` calls divide
     them;
   * whether XLA stores it at all: a residual that is an elementwise function of values held
@@ -25,7 +25,7 @@ from typing import Any
 import jax
 from jax.extend import core as jcore
 
-from shardlab.plan.program import Spec, inline, propagate, shard_bytes
+from shardlab.plan.module.program import Spec, inline, propagate, shard_bytes
 from shardlab.runtime import jax_compat
 
 # Ops XLA fuses into their consumers and may recompute there: elementwise arithmetic and the

@@ -1,9 +1,9 @@
 """One inference layout's figures: memory per device and the prefill and decode rooflines
-(the terms are described in shardlab/plan/inference.py)."""
+(the terms are described in shardlab/plan/serving/terms.py)."""
 
 import math
 
-from shardlab.plan import inference as inf
+from shardlab.plan.serving import terms as inf
 from shardlab.runtime import hardware
 
 SCORE_BYTES = 10  # fp32 scores, their fp32 softmax and the compute-dtype probabilities

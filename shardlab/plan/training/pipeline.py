@@ -32,9 +32,10 @@ import math
 import jax
 
 from shardlab.parallel import pipeline
-from shardlab.plan import memory as plan_memory
-from shardlab.plan.comm import Transfer
+from shardlab.plan.training import memory as plan_memory
+from shardlab.plan.training.comm import Transfer
 from shardlab.sharding import rules as rules_lib
+from shardlab.runtime.units import gib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +158,7 @@ def versus(found: list) -> list[str]:
            f"stretched by the {p.pipeline.schedule} bubble ({p.pipeline.bubble:.1%}); comm "
            f"{p.comm_s * 1e3:.1f} ms",
            f"  without     {f.strategy} {f.mesh}: {f.step_s * 1e3:.1f} ms, bound by "
-           f"{f.binding}; comm {f.comm_s * 1e3:.1f} ms for {weights / 2**30:.1f} GiB of weight "
+           f"{f.binding}; comm {f.comm_s * 1e3:.1f} ms for {gib(weights, digits=1)} of weight "
            f"gathers and gradient reductions per device"]
   if p.step_s >= f.step_s:
     return lines + ["  no pipeline wins: its bubble costs more than the communication it saves"]

@@ -1,4 +1,4 @@
-"""`auto_layout(cfg)`: the layout search (shardlab.plan.auto) for a run's Config, on the
+"""`auto_layout(cfg)`: the layout search (auto.choice) for a run's Config, on the
 devices that will run it or for a target that is not attached.
 
     choice = auto_layout(cfg)                     # the attached devices
@@ -15,10 +15,11 @@ import jax
 from shardlab.config import Config
 from shardlab.errors import ConfigError
 from shardlab.observe import throughput
-from shardlab.plan import aot
-from shardlab.plan import auto
-from shardlab.plan import auto_module
-from shardlab.plan.estimate import Request
+from shardlab.observe.step_report import StepReport
+from shardlab.plan.compiled import aot
+from shardlab.plan.auto import choice as auto
+from shardlab.plan.auto import module as auto_module
+from shardlab.plan.training.estimate import Request
 from shardlab.runtime import hardware
 from shardlab.sharding import mesh as mesh_lib
 from shardlab.sharding import rules as rules_lib
@@ -61,12 +62,9 @@ def precision_name(cfg: Config, platform: str) -> str:
 
 
 def request(cfg: Config, n_devices: int, precision: str) -> Request:
-  t = cfg.train
   strategy = "fsdp" if cfg.strategy == AUTO else cfg.strategy
-  return Request(model=cfg.model.name, optimizer=t.optimizer, precision=precision,
-                 grad_dtype=t.grad_dtype, global_batch=t.global_batch, seq_len=t.seq_len,
-                 remat=t.remat, microbatches=t.microbatches, strategy=strategy,
-                 devices=n_devices, rules=cfg.rules)
+  cfg = dataclasses.replace(cfg, strategy=strategy)
+  return Request.from_config(cfg, devices=n_devices, mesh=None).with_train(precision=precision)
 
 
 def auto_layout(cfg: Config, devices=None, target: str | None = None,
@@ -78,7 +76,7 @@ def auto_layout(cfg: Config, devices=None, target: str | None = None,
   is kept). On `devices` (default: every attached one) unless `target` and `n_devices` plan
   for hardware that is not attached: then the target's TPU topology when libtpu is
   installed, else as many simulated CPU devices. A module factory instead of `cfg` searches
-  for any module (shardlab.plan.auto_module: optimizer=, batch=, loss_fn=, ...)."""
+  for any module (shardlab.plan.auto.module: optimizer=, batch=, loss_fn=, ...)."""
   if not isinstance(cfg, Config):
     return _for_module(cfg, devices, target, n_devices, top_k, say, module_options)
   if module_options:
@@ -95,7 +93,7 @@ def auto_layout(cfg: Config, devices=None, target: str | None = None,
   precision = precision_name(cfg, "cpu" if backend == "cpu" else acc.kind)
   req = request(cfg, n_devices, precision)
 
-  def compile_fn(o: auto.Option) -> aot.CompiledReport:
+  def compile_fn(o: auto.Option) -> StepReport:
     run_cfg = o.apply(cfg, precision)
     if not planning:
       return aot.compile_step(run_cfg, devices, f"{devices[0].platform} x{n_devices}")
@@ -147,17 +145,16 @@ def for_request(req: Request, n_devices: int, on: str, top_k: int = 4,
                 budget_s: float = 600.0, say=lambda text: None) -> auto.Choice:
   """`shardlab plan --search --compile`: the search for a planner Request, compiled `on`
   "tpu" (the target's topology) or "cpu" (simulated devices)."""
-  from shardlab.models import registry
-  from shardlab.plan import compile as plan_compile
+  from shardlab.plan.compiled import train_step as plan_compile
   acc = hardware.get(req.target)
 
-  def compile_fn(o: auto.Option) -> aot.CompiledReport:
-    r = dataclasses.replace(req, strategy=o.strategy, remat=o.remat,
-                            microbatches=o.microbatches)
+  def compile_fn(o: auto.Option) -> StepReport:
+    r = dataclasses.replace(req, strategy=o.strategy).with_train(
+        remat=o.remat, microbatches=o.microbatches)
     cfg = plan_compile.run_config(r, mesh_lib.load(o.mesh))
     if on == "tpu":
       return aot.compile_on_tpu(cfg, acc.topology, n_devices, _slices(o))
     return aot.compile_on_cpu(cfg, n_devices)
 
-  return auto.choose(req, registry.load(req.model), acc, n_devices, compile_fn, on,
+  return auto.choose(req, req.model_config(), acc, n_devices, compile_fn, on,
                      top_k=top_k, budget_s=budget_s, say=say)

@@ -2,7 +2,7 @@
 the fewest devices per layout — tensor parallelism within the fast domain, pipeline stages
 or data-parallel replicas across it.
 
-    from shardlab.plan import inference_plan
+    from shardlab.plan.serving import planner as inference_plan
     p = inference_plan.plan(inference.Request(model="llama3-70b", target="h100-80g",
                                               batch=32, context=8192))
     p.estimate.memory.total, p.estimate.decode.tokens_per_s, p.min_devices["overall"]
@@ -13,10 +13,11 @@ from typing import Any
 
 from shardlab.errors import ConfigError
 from shardlab.models import registry
-from shardlab.plan import inference as inf
-from shardlab.plan import inference_estimate as inf_estimate
-from shardlab.plan.estimate import MAX_DEVICES
+from shardlab.plan.serving import terms as inf
+from shardlab.plan.serving import estimate as inf_estimate
+from shardlab.plan.training.estimate import MAX_DEVICES
 from shardlab.runtime import hardware
+from shardlab.runtime.units import gib
 
 LAYOUTS = ("tensor", "tensor+stage", "tensor+data", "overall")
 
@@ -135,9 +136,9 @@ def plan(req: inf.Request) -> Plan:
     o = mins["overall"]
     est = inf_estimate.estimate(req, model, acc, inf.Layout(o["tensor"], o["stage"], o["data"]))
   else:
-    need = f"; the least is {least.memory.total / 2**30:.1f} GiB ({least.layout.describe()})" \
+    need = f"; the least is {gib(least.memory.total, digits=1)} ({least.layout.describe()})" \
         if least else ""
     raise ConfigError(f"{model.name} with batch {req.batch} × context {req.context} "
                       f"({req.weights} weights, {req.kv_dtype} KV) fits no layout on "
-                      f"{acc.name} ({acc.usable_bytes / 2**30:.2f} GiB usable){need}")
+                      f"{acc.name} ({gib(acc.usable_bytes)} usable){need}")
   return Plan(req, model, acc, est, mins, tuple(warnings(req, model)))

@@ -22,14 +22,14 @@ import time
 from collections.abc import Callable
 
 from shardlab.errors import ConfigError
-from shardlab.observe.step_report import bytes_text
-from shardlab.plan import aot
-from shardlab.plan import compile as plan_compile
-from shardlab.plan.estimate import Estimate, Request, estimate, split_ici_dcn
-from shardlab.plan.search import divisors, search
+from shardlab.observe.step_report import StepReport
+from shardlab.plan.compiled import train_step as plan_compile
+from shardlab.plan.training.estimate import Estimate, Request, estimate, split_ici_dcn
+from shardlab.plan.training.search import divisors, search
 from shardlab.runtime import hardware
 from shardlab.sharding import mesh as mesh_lib
 from shardlab.sharding import rules as rules_lib
+from shardlab.runtime.units import size
 
 MAX_MICROBATCH_OPTIONS = 6  # 1, 2, 4, ... : more only lengthens the formula's list
 
@@ -56,7 +56,7 @@ class Candidate:
   option: Option
   estimate: Estimate  # the formula's, for the target
   spec: mesh_lib.MeshSpec
-  report: aot.CompiledReport | None = None
+  report: StepReport | None = None
   predicted_s: float | None = None  # from the compiled program
   binding: str = ""
   verdict: str = "not compiled"
@@ -122,15 +122,15 @@ def options(req: Request, model, acc: hardware.Accelerator, n: int, strategy: st
   microbatch count). `strategy` / `mesh` None: searched; else fixed. Memory options vary
   remat, and the microbatch count unless `vary_microbatches` is False (a resumed run must
   keep it)."""
-  remats = model.remat_policies if memory_options else (req.remat,)
-  counts = ([m for m in divisors(req.global_batch) if m & (m - 1) == 0]
+  remats = model.remat_policies if memory_options else (req.train.remat,)
+  counts = ([m for m in divisors(req.train.global_batch) if m & (m - 1) == 0]
             [:MAX_MICROBATCH_OPTIONS] if memory_options and vary_microbatches
-            else [req.microbatches])
+            else [req.train.microbatches])
   strategies = (strategy,) if strategy else tuple(rules_lib.STRATEGIES)
   out = []
   for remat in remats:
     for m in counts:
-      r = dataclasses.replace(req, remat=remat, microbatches=m)
+      r = req.with_train(remat=remat, microbatches=m)
       for e, spec in _fitting(r, model, acc, n, strategies, mesh):
         out.append(Candidate(Option(e.strategy, plan_compile.inline_mesh(spec), remat, m), e,
                              spec))
@@ -155,12 +155,12 @@ def _fitting(req: Request, model, acc, n: int, strategies: tuple, mesh: str | No
   return out
 
 
-def predict(report: aot.CompiledReport, target_est: Estimate, compiled_est: Estimate,
+def predict(report: StepReport, target_est: Estimate, compiled_est: Estimate,
             acc: hardware.Accelerator, spec: mesh_lib.MeshSpec) -> tuple[float, str]:
   """(step seconds, what bounds it) from a compiled program; `compiled_est` is the formula
   spelled for the backend it was compiled on (XLA:CPU moves bf16 collectives as fp32)."""
   compute = report.flops / (acc.peak_flops * acc.efficiency)
-  compiled_bytes = sum(k["bytes"] for k in report.collectives.values())
+  compiled_bytes = sum(k["bytes"] for k in report.kinds().values())
   formula_bytes = sum(compiled_est.collectives.values())
   if formula_bytes:
     comm = target_est.comm_s * compiled_bytes / formula_bytes
@@ -172,7 +172,7 @@ def predict(report: aot.CompiledReport, target_est: Estimate, compiled_est: Esti
 
 
 def choose(req: Request, model, acc: hardware.Accelerator, n: int,
-           compile_fn: Callable[[Option], aot.CompiledReport], backend: str,
+           compile_fn: Callable[[Option], StepReport], backend: str,
            strategy: str | None = None, mesh: str | None = None, memory_options: bool = False,
            vary_microbatches: bool = True, top_k: int = 4, budget_s: float = 600.0,
            say: Callable[[str], None] = lambda text: None) -> Choice:
@@ -184,8 +184,9 @@ def choose(req: Request, model, acc: hardware.Accelerator, n: int,
   cands = options(req, model, acc, n, strategy, mesh, memory_options, vary_microbatches)
   if not cands:
     raise ConfigError(f"auto layout: nothing fits {model.name} on {n} {acc.name} devices "
-                      f"by formula (global_batch {req.global_batch} × seq_len {req.seq_len}, "
-                      f"remat {req.remat!r}); `shardlab plan` says how many devices it needs")
+                      f"by formula (global_batch {req.train.global_batch} × seq_len "
+                      f"{req.train.seq_len}, remat {req.train.remat!r}); `shardlab plan` says "
+                      f"how many devices it needs")
   start, fitting = time.perf_counter(), 0
   for i, c in enumerate(cands):
     spent = time.perf_counter() - start
@@ -212,10 +213,10 @@ def _compile(c: Candidate, req: Request, model, acc, compile_fn, backend: str) -
     c.verdict = f"refused: {e}"
     return
   if c.report.total_bytes > acc.usable_bytes:
-    c.verdict = (f"does not fit: {bytes_text(c.report.total_bytes)} > "
-                 f"{bytes_text(acc.usable_bytes)}")
+    c.verdict = (f"does not fit: {size(c.report.total_bytes)} > "
+                 f"{size(acc.usable_bytes)}")
     return
-  r = dataclasses.replace(req, remat=c.option.remat, microbatches=c.option.microbatches)
+  r = req.with_train(remat=c.option.remat, microbatches=c.option.microbatches)
   as_compiled = estimate(r, model, acc, c.spec, c.option.strategy, backend=backend)
   c.predicted_s, c.binding = predict(c.report, c.estimate, as_compiled, acc, c.spec)
   c.verdict = "fits"
@@ -233,12 +234,12 @@ def table_lines(cands, winner: Candidate | None, acc) -> list[str]:
            f"{'memory':>10s} {'compiled':>10s} {'predicted':>10s}  verdict"]
   for c in cands:
     r, mark = c.report, "  <- chosen" if c is winner else ""
-    compiled = "-" if r is None else bytes_text(r.total_bytes)
+    compiled = "-" if r is None else size(r.total_bytes)
     predicted = "-" if c.predicted_s is None else seconds_text(c.predicted_s)
     verdict = c.verdict + (f" ({c.binding})" if c.binding else "")
     lines.append(f"  {c.option.strategy:8s} {c.option.mesh:26s} {c.option.remat:8s} "
                  f"{c.option.microbatches:3d} {seconds_text(c.estimate.step_s):>10s} "
-                 f"{bytes_text(c.estimate.memory.total):>10s} {compiled:>10s} "
+                 f"{size(c.estimate.memory.total):>10s} {compiled:>10s} "
                  f"{predicted:>10s}  {verdict}{mark}")
   return lines
 
@@ -246,7 +247,7 @@ def table_lines(cands, winner: Candidate | None, acc) -> list[str]:
 def render(choice: Choice) -> list[str]:
   n_compiled = sum(c.report is not None for c in choice.candidates)
   return [f"auto layout on {choice.n_devices} × {choice.target.name} "
-          f"({bytes_text(choice.target.usable_bytes)} usable): {len(choice.candidates)} "
+          f"({size(choice.target.usable_bytes)} usable): {len(choice.candidates)} "
           f"fit by formula, {n_compiled} compiled in {choice.compile_s:.1f} s "
           f"(memory: formula per device; predicted: roofline on the compiled program)",
           *table_lines(choice.candidates, choice.winner, choice.target),

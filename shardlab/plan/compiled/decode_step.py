@@ -1,4 +1,4 @@
-"""`plan --inference --compile`: XLA's memory for the real decode step beside the formula.
+"""`plan serve --compile`: XLA's memory for the real decode step beside the formula.
 
 The step is `shardlab generate`'s own (the caller lowers it: `Generator.lower_decode`),
 compiled for simulated CPU devices or a TPU topology with abstract inputs. Only what the
@@ -11,11 +11,12 @@ import time
 
 from shardlab import config as config_lib
 from shardlab.errors import ConfigError
-from shardlab.observe import hlo
-from shardlab.plan import aot
-from shardlab.plan import inference as inf
+from shardlab.observe import step_report
+from shardlab.observe.step_report import StepReport
+from shardlab.plan.compiled import aot
+from shardlab.plan.serving import terms as inf
+from shardlab.runtime.units import MiB, gib
 
-GiB = 2**30
 PRECISION = {"fp32": "fp32", "bf16": "bf16-params"}  # weights dtype -> precision policy
 
 
@@ -38,19 +39,15 @@ def decode_config(req: inf.Request, model, layout: inf.Layout) -> config_lib.Con
   return config_lib.Config(model=model, mesh=layout.mesh(), strategy="tp", train=train)
 
 
-def compile_lowered(lowered, where: str, n_devices: int, platform: str) -> aot.CompiledReport:
+def compile_lowered(lowered, mesh, where: str, platform: str) -> StepReport:
+  """Compiles a lowered step (generate's decode) over `mesh`: the report of every compile."""
   start = time.perf_counter()
   with aot._compile_only(platform):
     compiled = lowered.compile()
-  seconds = time.perf_counter() - start
-  mem = compiled.memory_analysis()
-  stats = hlo.summary(hlo.collectives(compiled.as_text()))
-  return aot.CompiledReport(where, n_devices, seconds,
-                            mem.argument_size_in_bytes, mem.output_size_in_bytes,
-                            mem.alias_size_in_bytes, mem.temp_size_in_bytes, stats)
+  return step_report.report(compiled, mesh, where, time.perf_counter() - start)
 
 
-def compare(report: aot.CompiledReport, est: inf.Estimate) -> dict:
+def compare(report: StepReport, est: inf.Estimate) -> dict:
   """ratio = analytic / compiled. The arguments are the weights and the cache; the total is
   arguments + outputs not aliased + temporaries, against weights + cache + decode temps."""
   m = est.memory
@@ -72,15 +69,15 @@ def render(compiled: list[dict]) -> list[str]:
     temp = r["total_bytes"] - r["argument_bytes"]
     lines += [
         f"  {r['where']}: compiled in {r['compile_s']:.1f} s",
-        f"    weights + KV (arguments)   {r['argument_bytes'] / GiB:9.3f} GiB   analytic "
-        f"{a['state_bytes'] / GiB:9.3f} GiB   ratio {q['state']:.3f}",
-        f"    step temporaries           {temp / GiB:9.3f} GiB   analytic "
-        f"{a['temp_bytes'] / GiB:9.3f} GiB   ratio {q['temp']:.3f}",
-        f"    total (arg+out-alias+temp) {r['total_bytes'] / GiB:9.3f} GiB   analytic "
-        f"{a['total_bytes'] / GiB:9.3f} GiB   ratio {q['total']:.3f}   "
-        f"{'fits' if c['fits'] else 'DOES NOT FIT'} in {c['usable_bytes'] / GiB:.2f} GiB"]
-    for kind, s in r["collectives"].items():
+        f"    weights + KV (arguments)   {gib(r['argument_bytes'], 9, 3)}   analytic "
+        f"{gib(a['state_bytes'], 9, 3)}   ratio {q['state']:.3f}",
+        f"    step temporaries           {gib(temp, 9, 3)}   analytic "
+        f"{gib(a['temp_bytes'], 9, 3)}   ratio {q['temp']:.3f}",
+        f"    total (arg+out-alias+temp) {gib(r['total_bytes'], 9, 3)}   analytic "
+        f"{gib(a['total_bytes'], 9, 3)}   ratio {q['total']:.3f}   "
+        f"{'fits' if c['fits'] else 'DOES NOT FIT'} in {gib(c['usable_bytes'])}"]
+    for kind, s in r["kinds"].items():
       if s["ops"]:
         lines.append(f"    {kind:18s} {s['count']:5d} runs ({s['ops']:3d} ops) "
-                     f"{s['bytes'] / 2**20:9.3f} MiB")
+                     f"{s['bytes'] / MiB:9.3f} MiB")
   return lines

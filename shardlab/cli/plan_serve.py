@@ -1,4 +1,4 @@
-"""`shardlab plan --inference`: memory, fit, fewest devices and roofline speeds for serving a
+"""`shardlab plan serve`: memory, fit, fewest devices and roofline speeds for serving a
 model, and (--compile) XLA's memory for the real decode step beside them."""
 
 import argparse
@@ -8,22 +8,22 @@ import sys
 
 from shardlab import generate
 from shardlab.errors import ConfigError
-from shardlab.plan import aot
-from shardlab.plan import inference as inf
-from shardlab.plan import inference_compile as inf_compile
-from shardlab.plan import inference_plan
+from shardlab.plan.compiled import aot
+from shardlab.plan.serving import terms as inf
+from shardlab.plan.compiled import decode_step as inf_compile
+from shardlab.plan.serving import planner as inference_plan
 from shardlab.runtime import devices, hardware, jax_compat
+from shardlab.runtime.units import gib, size
 from shardlab.training import run as run_lib
 
-GiB = 2**30
 
-
-def parser(prog: str = "shardlab plan --inference") -> argparse.ArgumentParser:
+def parser(prog: str = "shardlab plan serve") -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
-      prog=prog, description="Per-device memory (weights, KV cache, step temporaries), fit, "
-                             "the fewest devices per layout and roofline prefill and decode "
-                             "speeds for serving a model.",
-      epilog="Example: shardlab plan --inference --model llama3-70b --target h100-80g "
+      prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+      description="Per-device memory (weights, KV cache, step temporaries), fit, the fewest "
+                  "devices per layout and roofline prefill and decode speeds for serving a "
+                  "model.",
+      epilog="Example: shardlab plan serve --model llama3-70b --target h100-80g "
              "--batch 32 --context 8192 --weights int8")
   p.add_argument("--model", default="llama3-70b", help="preset name or TOML model file")
   p.add_argument("--target", default="h100-80g", help=" | ".join(hardware.names()))
@@ -39,7 +39,7 @@ def parser(prog: str = "shardlab plan --inference") -> argparse.ArgumentParser:
                  help="prompt tokens per prefill call (generate --prefill-chunk)")
   p.add_argument("--devices", type=int, help="plan the fastest layout of this many devices")
   p.add_argument("--mesh", help="a layout, e.g. 'tensor:8,stage:2' or 'data:2,tensor:4' "
-                                "(default: the fewest devices that fit)")
+                                "(unset: the fewest devices that fit)")
   p.add_argument("--compile", action="store_true",
                  help="compile the real decode step for the layout (simulated CPU devices, "
                       "or the TPU topology; see --compile-on); fp32/bf16 only")
@@ -56,7 +56,7 @@ def request(args) -> inf.Request:
                      devices=args.devices, mesh=args.mesh)
 
 
-def main(argv=None, prog: str = "shardlab plan --inference") -> int:
+def main(argv=None, prog: str = "shardlab plan serve") -> int:
   args = parser(prog).parse_args(argv)
   try:
     result = inference_plan.plan(request(args))
@@ -85,8 +85,8 @@ def compile_decode(result: inference_plan.Plan, on: str = "auto") -> dict:
     devs, where = _cpu_devices(n), f"cpu x{n}"
   p = run_lib.place(cfg, devs)
   gen = generate.Generator(cfg, p.abstract, p.shardings)
-  report = inf_compile.compile_lowered(gen.lower_decode(req.batch, req.context), where, n,
-                                       "tpu" if tpu else "cpu")
+  report = inf_compile.compile_lowered(gen.lower_decode(req.batch, req.context), p.mesh,
+                                       where, "tpu" if tpu else "cpu")
   return inf_compile.compare(report, result.estimate)
 
 
@@ -116,10 +116,6 @@ def to_json(result: inference_plan.Plan) -> dict:
       "executable_dtypes": list(inf.EXECUTABLE), "compiled": result.compiled}
 
 
-def _gib(x: float) -> str:
-  return f"{x / GiB:9.2f} GiB" if x >= GiB / 10 else f"{x / 2**20:9.2f} MiB"
-
-
 def _ms(x: float) -> str:
   return f"{x * 1e3:.2f} ms" if x >= 1e-4 else f"{x * 1e6:.2f} µs"
 
@@ -137,18 +133,18 @@ def render(result: inference_plan.Plan) -> str:
       f"serving   batch {r.batch} × context {r.context} tokens; prefill {r.prefill_batch} "
       f"sequence(s) at once, {r.prefill_chunk} tokens a call",
       f"target    {acc.name}: {acc.peak_flops / 1e12:.0f} TFLOP/s bf16, {acc.hbm_bw / 1e12:.2f} "
-      f"TB/s HBM, {acc.usable_bytes / GiB:.2f} GiB usable",
+      f"TB/s HBM, {gib(acc.usable_bytes)} usable",
       f"layout    {e.layout.describe()} ({e.layout.n_devices} devices)", ""]
   lines += [f"warning: {w}" for w in result.warnings] + ([""] if result.warnings else [])
   verdict = "fits" if e.fits else "DOES NOT FIT"
   lines += ["memory per device (analytic)",
-            f"  {'weights':28s}{_gib(mem.weights)}",
-            f"  {'KV cache':28s}{_gib(mem.kv_cache)}",
-            f"  {'decode step temporaries':28s}{_gib(mem.decode_temp)}   (the scan's new "
+            f"  {'weights':28s}{size(mem.weights, 9)}",
+            f"  {'KV cache':28s}{size(mem.kv_cache, 9)}",
+            f"  {'decode step temporaries':28s}{size(mem.decode_temp, 9)}   (the scan's new "
             f"cache buffer, a layer's K/V and weights, logits)",
-            f"  {'prefill temporaries':28s}{_gib(mem.prefill_temp)}   (the same, with one "
+            f"  {'prefill temporaries':28s}{size(mem.prefill_temp, 9)}   (the same, with one "
             f"layer's scores of a chunk over the cache)",
-            f"  {'total':28s}{_gib(mem.total)}   {verdict} in {e.usable_bytes / GiB:.2f} GiB", ""]
+            f"  {'total':28s}{size(mem.total, 9)}   {verdict} in {gib(e.usable_bytes)}", ""]
   lines += _min_lines(result) + [""] + _speed_lines(e)
   if result.compiled:
     lines += [""] + inf_compile.render(result.compiled)
@@ -173,6 +169,6 @@ def _speed_lines(e: inf.Estimate) -> list[str]:
     lines += [f"  {name:8s}{_rate(ph.tokens_per_s_per_seq):>12s} {what} tokens/s per sequence, "
               f"{_rate(ph.tokens_per_s)} in total; bound by {ph.bound}",
               f"           step {_ms(ph.step_s)}: {terms}"]
-  lines.append(f"  a decode step reads {_gib(e.bytes_per_decode_step).strip()} per device "
+  lines.append(f"  a decode step reads {size(e.bytes_per_decode_step)} per device "
                f"(weights + the whole KV cache)")
   return lines

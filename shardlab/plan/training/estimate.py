@@ -15,11 +15,12 @@ from shardlab import config as config_lib
 from shardlab.runtime import hardware
 from shardlab.sharding import mesh as mesh_lib
 from shardlab.training import precision as precision_lib
-from shardlab.plan import comm as plan_comm
-from shardlab.plan import experts as plan_experts
-from shardlab.plan import memory as plan_memory
-from shardlab.plan import pipeline as plan_pipeline
-from shardlab.plan import state_bytes
+from shardlab.plan.training import comm as plan_comm
+from shardlab.plan.training import experts as plan_experts
+from shardlab.plan.training import memory as plan_memory
+from shardlab.plan.training import pipeline as plan_pipeline
+from shardlab.plan.training import state_bytes
+from shardlab.plan.training.request import Request, train_config
 from shardlab.sharding import rules as rules_lib
 from shardlab.errors import ConfigError
 from shardlab.training import run as run_lib
@@ -28,31 +29,6 @@ from shardlab.training import step as step_lib
 
 MAX_DEVICES = 65536
 STRATEGIES = tuple(rules_lib.STRATEGIES)
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-  model: str = "llama2-7b"  # preset name or TOML file
-  optimizer: str = "adamw"
-  precision: str = "bf16"
-  grad_dtype: str = "auto"  # "auto" (the stored params'), "fp32" or "bf16"
-  global_batch: int = 256
-  seq_len: int = 2048
-  remat: str = "full"
-  microbatches: int = 1
-  pipeline_repeats: int = 1
-  strategy: str = "fsdp"
-  mesh: str | None = None  # preset, file or inline; None: built from `devices`
-  devices: int | None = None
-  target: str = "h100-80g"
-  rules: dict = dataclasses.field(default_factory=dict)
-  offload: str = "none"  # train.offload: "opt_state" keeps the state in host memory
-  lora: config_lib.LoraConfig = config_lib.LoraConfig()  # rank 0: every param trains
-
-  def __post_init__(self):
-    if self.devices is not None and self.devices < 1:
-      raise ConfigError(f"devices must be >= 1, got {self.devices}")
-    rules_lib.strategy(self.strategy, self.rules)  # an unknown strategy before any mesh talk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,20 +64,6 @@ class Estimate:
   @property
   def headroom(self) -> float:
     return self.usable_bytes - self.memory.total
-
-
-def train_config(req: Request) -> config_lib.TrainConfig:
-  policy = "bf16" if req.precision == "auto" else req.precision
-  return config_lib.TrainConfig(global_batch=req.global_batch, seq_len=req.seq_len,
-                                microbatches=req.microbatches, optimizer=req.optimizer,
-                                precision=policy, remat=req.remat,
-                                grad_dtype=req.grad_dtype, offload=req.offload,
-                                pipeline_repeats=req.pipeline_repeats)
-
-
-def run_config(req: Request, model, mesh: str = "cpu-8"):
-  return config_lib.Config(model=model, mesh=mesh, strategy=req.strategy,
-                           train=train_config(req), rules=req.rules, lora=req.lora)
 
 
 def abstract_mesh(spec: mesh_lib.MeshSpec) -> AbstractMesh:
@@ -186,9 +148,9 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
   transfers = _transfers(model, req, train, rules, mesh, policy, abstract, be, uses, shapes,
                          p)
   tokens_per_device = _tokens_per_device(req, rules, mesh)
-  flops = (plan_comm.hardware_flops_per_token(model, req.seq_len, req.remat) -
+  flops = (plan_comm.hardware_flops_per_token(model, train.seq_len, train.remat) -
            _frozen_weight_grad_flops(model, req.lora)) * tokens_per_device
-  model_flops = model.flops_per_token(req.seq_len) * tokens_per_device
+  model_flops = model.flops_per_token(train.seq_len) * tokens_per_device
   compute_s = flops / (acc.peak_flops * acc.efficiency)  # no step runs at peak
   memory_s = _hbm_traffic(memory, shapes, model, train, p) / acc.hbm_bw
   memory, transfers, compute_s, pipe = plan_pipeline.fold(
@@ -208,7 +170,7 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
       comm_s=comm_s, step_s=step_s, binding=binding,
       mfu=model_flops / (step_s * acc.peak_flops),
       mfu_ceiling=model_flops / (ceiling_s * acc.peak_flops), efficiency=acc.efficiency,
-      tokens_per_s=req.global_batch * req.seq_len / step_s,
+      tokens_per_s=train.global_batch * train.seq_len / step_s,
       host_transfer_bytes=host_bytes, host_s=terms["host transfers"],
       accounting=state_bytes.state_accounting(abstract, sh, state, policy, uses.looped,
                                               grad_dtype), pipeline=pipe)
@@ -222,7 +184,7 @@ def _transfers(model, req: Request, train, rules, mesh, policy, abstract, be, us
                                     model.tie_embeddings, be, uses.layer_uses) +
           plan_comm.activation_transfers(model, shapes, rules, mesh, wire, train.remat,
                                          train.microbatches, uses.layer_runs) +
-          plan_experts.transfers(model, rules, mesh, req.global_batch, req.seq_len, wire,
+          plan_experts.transfers(model, rules, mesh, train.global_batch, train.seq_len, wire,
                                  train.remat))
 
 
@@ -233,7 +195,7 @@ def _tokens_per_device(req: Request, rules: rules_lib.Rules, mesh) -> float:
       rules.activations.get("heads")) if a in mesh.shape)
   token_shards = math.prod(mesh.shape[a] for a in rules.token_axes if a in mesh.shape)
   stages = rules_lib.pipeline_stages(rules, mesh)  # each stage runs 1/stages of the layers
-  return req.global_batch * req.seq_len / token_shards / tensor_shards / stages
+  return req.train.global_batch * req.train.seq_len / token_shards / tensor_shards / stages
 
 
 def _frozen_weight_grad_flops(model, lora: config_lib.LoraConfig) -> float:

@@ -5,9 +5,9 @@ predicted step time against their memory."""
 import textwrap
 from pathlib import Path
 
-from shardlab.plan.estimate import default_shape
+from shardlab.plan.training.estimate import default_shape
+from shardlab.runtime.units import GiB
 
-GiB = 2**30
 # (label, colour) per stacked part, bottom to top: the state first, then what a step adds.
 PARTS = (("params", "#4C72B0"), ("gradients", "#DD8452"), ("master weights", "#55A868"),
          ("optimizer state", "#C44E52"), ("activations", "#8172B3"),
@@ -43,7 +43,7 @@ def write(result, path: str | Path) -> dict[str, str]:
   labels = _memory_panel(axes[0][0], result)
   if searched:
     _search_panel(axes[0][1], result)
-  r = result.request
+  r = result.request.train
   fig.suptitle(f"{result.model.name} on {result.estimate.n_devices} × {result.target.name}: "
                f"{r.global_batch} × {r.seq_len} tokens, {r.microbatches} microbatch(es), "
                f"{r.precision}, remat {r.remat}, {r.optimizer}")

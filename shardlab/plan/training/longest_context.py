@@ -13,7 +13,8 @@ import dataclasses
 
 from shardlab.errors import ConfigError
 from shardlab.models import protocol
-from shardlab.plan.estimate import Estimate, Request, estimate, split_ici_dcn
+from shardlab.plan.training.estimate import Estimate, Request, estimate, split_ici_dcn
+from shardlab.runtime.units import GiB, gib
 
 GRANULE = 1024
 MAX_SEQ_LEN = 2**24
@@ -41,7 +42,7 @@ def layouts(model, acc, n: int, c: int):
 def _estimates(req: Request, model, acc, n: int, c: int, seq_len: int) -> list[Estimate]:
   """The layouts' estimates at seq_len, fitting or not (a layout the batch or a dimension
   does not divide is left out)."""
-  r, out = dataclasses.replace(req, seq_len=seq_len), []
+  r, out = req.with_train(seq_len=seq_len), []
   for strategy, spec in layouts(model, acc, n, c):
     try:
       out.append(estimate(r, model, acc, spec, strategy))
@@ -79,14 +80,14 @@ def _row(req: Request, model, acc, n: int, c: int, cap: int) -> Row:
   if best is not None:
     return Row(c, lo, best)
   why = (f"nothing fits at {unit} tokens" if _estimates(req, model, acc, n, c, unit) else
-         f"global batch {req.global_batch} does not split over the {n // c} devices beside "
+         f"global batch {req.train.global_batch} does not split over the {n // c} devices beside "
          f"the context axis (fsdp, or fsdp × tensor)")
   return Row(c, 0, None, why)
 
 
 def render(rows: list[Row], model, acc, n: int, batch: int) -> list[str]:
   lines = [f"longest sequence that fits {model.name} on {n} × {acc.name} "
-           f"({acc.usable_bytes / 2**30:.1f} GiB usable), global batch {batch}, "
+           f"({gib(acc.usable_bytes, digits=1)} usable), global batch {batch}, "
            f"attention {protocol.get(model, 'attention')}, KV exchange "
            f"{protocol.get(model, 'kv_exchange')}:",
            f"  {'context':>7s} {'seq_len':>10s}  {'layout':52s} {'GiB/device':>10s} "
@@ -97,5 +98,5 @@ def render(rows: list[Row], model, acc, n: int, batch: int) -> list[str]:
       continue
     e = r.best
     lines.append(f"  {r.context:7d} {r.seq_len:10,d}  {e.strategy + ' ' + e.mesh:52s} "
-                 f"{e.memory.total / 2**30:10.2f} {e.tokens_per_s:10,.0f}")
+                 f"{e.memory.total / GiB:10.2f} {e.tokens_per_s:10,.0f}")
   return lines

@@ -20,9 +20,10 @@ import math
 import jax.numpy as jnp
 
 from shardlab.models import protocol
-from shardlab.plan import comm as plan_comm
+from shardlab.plan.training import comm as plan_comm
 from shardlab.sharding import rules as rules_lib
 from shardlab.training import precision as precision_lib
+from shardlab.runtime.units import gib
 
 EXPERT_WEIGHT = ("layers", "experts", "embed", "mlp")
 
@@ -89,12 +90,13 @@ def _dispatch(model, rules, mesh_shape: dict, global_batch: int, seq_len: int,
 
 
 def for_plan(result) -> Experts | None:
-  """The figures of a planner result (shardlab.plan.planner.Plan)."""
+  """The figures of a planner result (shardlab.plan.training.planner.Plan)."""
   r, e = result.request, result.estimate
-  policy = precision_lib.resolve("bf16" if r.precision == "auto" else r.precision)
-  return figures(result.model, e.strategy, r.rules, e.mesh_shape, r.global_batch, r.seq_len,
+  t = r.train
+  policy = precision_lib.resolve("bf16" if t.precision == "auto" else t.precision)
+  return figures(result.model, e.strategy, r.rules, e.mesh_shape, t.global_batch, t.seq_len,
                  jnp.dtype(policy.param_dtype).itemsize,
-                 jnp.dtype(policy.compute_dtype).itemsize, r.remat)
+                 jnp.dtype(policy.compute_dtype).itemsize, t.remat)
 
 
 def _factor(entry, mesh_shape: dict) -> int:
@@ -115,6 +117,6 @@ def lines(e: Experts | None) -> list[str]:
   return ["mixture of experts",
           f"  parameters        {e.total_params / 1e9:.2f}B total, "
           f"{e.active_params / 1e9:.2f}B active per token (FLOPs count these)",
-          f"  expert weights    {e.expert_bytes_per_device / 2**30:.2f} GiB per device "
+          f"  expert weights    {gib(e.expert_bytes_per_device)} per device "
           f"(experts split {e.expert_parallel}-way over the expert axis)",
-          f"  all-to-all        {e.all_to_all_bytes / 2**30:.2f} GiB per device per step", ""]
+          f"  all-to-all        {gib(e.all_to_all_bytes)} per device per step", ""]

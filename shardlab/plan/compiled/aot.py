@@ -8,7 +8,8 @@ ShapeDtypeStructs that carry their shardings, then compiled for
     installed: the real TPU compiler's memory analysis, from a machine without a TPU.
 The report holds XLA's per-device memory analysis and the collectives in the optimised HLO.
 
-    python -m shardlab.plan.aot --json '<Config as JSON>' --devices N   (the subprocess form)
+    python -m shardlab.plan.compiled.aot --json '<Config as JSON>' --devices N
+    (the subprocess form)
 """
 
 import contextlib
@@ -25,37 +26,14 @@ import jax
 from shardlab.config import Config
 from shardlab.errors import ConfigError
 from shardlab.models import registry
-from shardlab.observe import hlo, hlo_flops
+from shardlab.observe import step_report
+from shardlab.observe.step_report import StepReport
 from shardlab.runtime import jax_compat
 from shardlab.training import run as run_lib
 from shardlab.training import state as state_lib
 
 
 ACCELERATOR_TYPES = {"v4": "v4-8", "v5e": "v5litepod-8", "v5p": "v5p-8", "v6e": "v6e-8"}
-
-
-@dataclasses.dataclass(frozen=True)
-class CompiledReport:
-  where: str  # "cpu x8" or "tpu v5e:16x16"
-  n_devices: int
-  compile_s: float
-  argument_bytes: int
-  output_bytes: int
-  alias_bytes: int
-  temp_bytes: int
-  collectives: dict  # kind -> {"count", "bytes", "ops"}
-  flops: float = 0.0  # matmul FLOPs per device per step, loops unrolled (observe.hlo_flops)
-  # Host memory per device (train.offload, remat "offload"): its peak, as above; 0 where the
-  # backend reports none (XLA:CPU does not split host from device memory).
-  host_bytes: int = 0
-
-  @property
-  def total_bytes(self) -> int:
-    """Peak per device: arguments + outputs not aliased to them + temporaries."""
-    return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
-
-  def as_dict(self) -> dict:
-    return dict(dataclasses.asdict(self), total_bytes=self.total_bytes)
 
 
 def libtpu_available() -> bool:
@@ -101,7 +79,7 @@ def tpu_devices(prefix: str, n_chips: int, num_slices: int = 1):
   return topo.devices, name
 
 
-def compile_step(cfg: Config, devices, where: str, dump: str | None = None) -> CompiledReport:
+def compile_step(cfg: Config, devices, where: str, dump: str | None = None) -> StepReport:
   """Lowers and compiles the train step over `devices` with abstract, sharded inputs; `dump`:
   a folder for XLA's dumps (`compile_train_step`)."""
   if cfg.train.precision == "auto":
@@ -115,7 +93,7 @@ def compile_step(cfg: Config, devices, where: str, dump: str | None = None) -> C
 
 def compile_train_step(train_step, abstract: state_lib.Abstract,
                        shardings: state_lib.Shardings, batch,
-                       where: str = "", dump: str | None = None) -> CompiledReport:
+                       where: str = "", dump: str | None = None) -> StepReport:
   """Compiles any module's train step (`shardlab.train_step`) for the devices of
   `shardings.mesh` — simulated CPU devices, or a TPU topology from `tpu_devices` — with
   `batch` a tree of ShapeDtypeStructs: XLA's memory per device and the collectives, with
@@ -126,23 +104,15 @@ def compile_train_step(train_step, abstract: state_lib.Abstract,
   batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                       sharding=shardings.batch), batch)
   devices = shardings.mesh.devices.flat
-  where = where or f"{devices[0].platform} x{shardings.mesh.size}"
   start = time.perf_counter()
   with _compile_only(devices[0].platform):
     compiled = train_step.lower(state, batch).compile(
         {"xla_dump_to": str(dump)} if dump else None)
-  seconds = time.perf_counter() - start
-  mem = compiled.memory_analysis()
-  text = compiled.as_text()
-  return CompiledReport(where, shardings.mesh.size, seconds, mem.argument_size_in_bytes,
-                        mem.output_size_in_bytes, mem.alias_size_in_bytes,
-                        mem.temp_size_in_bytes, hlo.summary(hlo.collectives(text)),
-                        hlo_flops.dot_flops(text),
-                        mem.host_argument_size_in_bytes + mem.host_output_size_in_bytes -
-                        mem.host_alias_size_in_bytes + mem.host_temp_size_in_bytes)
+  return step_report.report(compiled, shardings.mesh, where, time.perf_counter() - start,
+                            flops=True)
 
 
-def compile_on_cpu(cfg: Config, n_devices: int) -> CompiledReport:
+def compile_on_cpu(cfg: Config, n_devices: int) -> StepReport:
   """On n simulated CPU devices: here if this process has at least n, else in a subprocess
   (the device count is fixed once a backend starts)."""
   if jax_compat.backends_are_initialized() or "device_count" in os.environ.get("XLA_FLAGS", ""):
@@ -152,19 +122,19 @@ def compile_on_cpu(cfg: Config, n_devices: int) -> CompiledReport:
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=(_strip_device_count(os.environ.get("XLA_FLAGS", "")) +
                         f" --xla_force_host_platform_device_count={n_devices}").strip())
-  cmd = [sys.executable, "-m", "shardlab.plan.aot", "--devices", str(n_devices), "--json",
-         json.dumps(dataclasses.asdict(cfg))]
+  cmd = [sys.executable, "-m", "shardlab.plan.compiled.aot", "--devices", str(n_devices),
+         "--json", json.dumps(dataclasses.asdict(cfg))]
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
   if proc.returncode != 0:
     tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
     if proc.returncode == 2:
       raise ConfigError(tail[0].removeprefix("error: "))
     raise RuntimeError(f"the compile subprocess failed: {tail[0]}")
-  return CompiledReport(**json.loads(proc.stdout.strip().splitlines()[-1]))
+  return StepReport.from_dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
 def compile_on_tpu(cfg: Config, prefix: str, n_chips: int, num_slices: int = 1,
-                   dump: str | None = None) -> CompiledReport:
+                   dump: str | None = None) -> StepReport:
   devices, name = tpu_devices(prefix, n_chips, num_slices)
   where = f"tpu {name}" + (f" x{num_slices} slices" if num_slices > 1 else "")
   return compile_step(cfg, devices, where, dump)
@@ -198,7 +168,7 @@ def _config_from_json(text: str) -> Config:
 
 def main(argv=None) -> int:
   import argparse
-  p = argparse.ArgumentParser(prog="python -m shardlab.plan.aot")
+  p = argparse.ArgumentParser(prog="python -m shardlab.plan.compiled.aot")
   p.add_argument("--json", required=True, help="the Config, as dataclasses.asdict JSON")
   p.add_argument("--devices", type=int, required=True)
   args = p.parse_args(argv)
@@ -208,7 +178,7 @@ def main(argv=None) -> int:
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  print(json.dumps(dataclasses.asdict(report)))
+  print(json.dumps(report.as_dict()))
   return 0
 
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from shardlab.sharding import rules as rules_lib
 from shardlab.training.state import path_of
 from shardlab.runtime.hardware import Accelerator
-from shardlab.plan.memory import ActivationShapes
+from shardlab.plan.training.memory import ActivationShapes
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
 EMBEDDING = ("vocab", "embed")  # a tied table: looked up and used as the output head
@@ -88,7 +88,7 @@ def param_transfers(abstract, rules: rules_lib.Rules, mesh, policy, microbatches
   """Weight gathers (ZeRO-1/2's working copy once per step, FSDP's per use), gradient
   reductions, and a gather after the update where the optimizer's shards are finer than the
   stored weights, per leaf. Uses per step: `microbatches`; `layer_uses` for stacked layers
-  (a pipeline stage's once per iteration: shardlab.plan.pipeline.passes)."""
+  (a pipeline stage's once per iteration: shardlab.plan.training.pipeline.passes)."""
   names = {path_of(p): n for p, n in
            _flat(abstract.names, is_leaf=lambda x: isinstance(x, tuple))}
   batch = {a for a in rules.token_axes if mesh.shape.get(a, 1) > 1}

@@ -2,7 +2,7 @@
 shardlab's rules shard them, and the shard arithmetic the model state's count shares.
 
 Model state (weights, gradients, optimizer state; host bytes under offload) is
-shardlab.plan.state_bytes's.
+shardlab.plan.training.state_bytes's.
 
 Activations: what autodiff saves per layer (Korthikanti's per-layer accounting, with the
 tensors each bundled model's config lists: RMSNorm or LayerNorm, grouped-query K/V, SwiGLU or

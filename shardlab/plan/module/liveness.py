@@ -6,7 +6,7 @@ them) and runs it op by op: a value is allocated when its op runs and freed afte
 reader. It starts with the residuals XLA holds (`residuals.saved`) and frees each after its
 last reader, so the peak counts the cotangents, the layers a remat rebuilds, the loss's
 buffers and the gradients as they accumulate. Sizes are per device, from the Specs
-shardlab.plan.program propagates; an elementwise value read once by a fusing op takes no
+module.program propagates; an elementwise value read once by a fusing op takes no
 buffer (its inputs live until that reader runs instead), as in XLA's fusions.
 
 Limits: the order is the program's, not XLA's schedule (XLA may reorder to lower the peak,
@@ -18,7 +18,9 @@ peak, beside what the loop carries.
 import jax
 from jax.extend import core as jcore
 
-from shardlab.plan import program, residuals
+from shardlab.plan.module import program
+
+from shardlab.plan.module import residuals
 
 
 def backward_peak(t: residuals.Trace, held: list, grads_to=None) -> int:

@@ -24,8 +24,8 @@ import jax
 from shardlab import config as config_lib
 from shardlab.errors import ConfigError, unknown
 from shardlab.models import protocol
-from shardlab.plan import estimate as plan_estimate
-from shardlab.plan import memory as plan_memory
+from shardlab.plan.training import estimate as plan_estimate
+from shardlab.plan.training import memory as plan_memory
 from shardlab.sharding import mesh as mesh_lib
 from shardlab.sharding import rules as rules_lib
 from shardlab.training import run as run_lib
@@ -37,7 +37,7 @@ WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
 SCALE_BYTES = {"fp32": 0.0, "bf16": 0.0, "int8": 2 / 128, "int4": 2 / 128}
 # A KV entry; int8 keeps a bf16 scale per token and head besides (per head_dim entries).
 KV_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0}
-# What `shardlab generate` and `plan --inference --compile` execute; the others are formula.
+# What `shardlab generate` and `plan serve --compile` execute; the others are formula.
 EXECUTABLE = ("fp32", "bf16")
 ACTIVATION_BYTES = 2  # the residual stream the tensor-parallel all-reduces carry (bf16)
 PREFILL_CHUNK = 512  # prompt tokens per prefill call: shardlab.generate's default

@@ -26,7 +26,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from shardlab.plan.memory import itemsize, tree_shard_bytes
+from shardlab.plan.training.memory import itemsize, tree_shard_bytes
 
 
 def _is_working_copy(leaf, sh, policy) -> bool:

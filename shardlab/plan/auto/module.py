@@ -5,7 +5,7 @@
     print(choice.render())
     shardings = sl.shardings(abstract, sl.strategy(choice.strategy), sl.mesh(choice.mesh))
 
-A bundled model's search (shardlab.plan.auto) ranks by the planner's formula, which needs the
+A bundled model's search (auto.choice) ranks by the planner's formula, which needs the
 model's config; a module of the user's has none, so here:
 1. Candidates: each strategy × each data·fsdp·tensor factorisation of the device count
    (`search.factorizations`), one per distinct placement (`search.placement`, with the
@@ -26,17 +26,18 @@ from typing import Callable
 import jax
 
 from shardlab.errors import ConfigError
-from shardlab.observe.step_report import bytes_text
-from shardlab.plan import aot
-from shardlab.plan import compile as plan_compile
-from shardlab.plan import search
-from shardlab.plan.auto import seconds_text
-from shardlab.plan.module import ModulePlan, plan_module
+from shardlab.observe.step_report import StepReport
+from shardlab.plan.compiled import aot
+from shardlab.plan.compiled import train_step as plan_compile
+from shardlab.plan.training import search
+from shardlab.plan.auto.choice import seconds_text
+from shardlab.plan.module.planner import ModulePlan, plan_module
 from shardlab.runtime import hardware
 from shardlab.sharding import mesh as mesh_lib
 from shardlab.sharding import rules as rules_lib
 from shardlab.training import state as state_lib
 from shardlab.training import step as step_lib
+from shardlab.runtime import units
 
 STRATEGIES = ("dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp")
 
@@ -46,7 +47,7 @@ class ModuleCandidate:
   strategy: str
   mesh: str  # inline, as sl.mesh takes it
   plan: ModulePlan | None = None  # plan_module's estimate; None when skipped
-  report: aot.CompiledReport | None = None
+  report: StepReport | None = None
   score_s: float | None = None  # roofline on the compiled program
   bound: str = ""
   verdict: str = "not compiled"
@@ -73,14 +74,14 @@ class ModuleChoice:
   def render(self) -> str:
     n_compiled = sum(c.report is not None for c in self.candidates)
     lines = [f"auto layout of a module on {self.n_devices} × {self.target.name} "
-             f"({bytes_text(self.target.usable_bytes)} usable): {len(self.candidates)} "
+             f"({units.size(self.target.usable_bytes)} usable): {len(self.candidates)} "
              f"placements ({self.duplicates} duplicates folded), {n_compiled} compiled "
              f"(estimate: plan_module per device; score: roofline on the compiled program)",
              f"  {'strategy':8s} {'mesh':22s} {'estimate':>10s} {'compiled':>10s} "
              f"{'score':>10s}  verdict"]
     for c in self.candidates:
-      est = "-" if c.plan is None else bytes_text(c.plan.total)
-      compiled = "-" if c.report is None else bytes_text(c.report.total_bytes)
+      est = "-" if c.plan is None else units.size(c.plan.total)
+      compiled = "-" if c.report is None else units.size(c.report.total_bytes)
       score = "-" if c.score_s is None else seconds_text(c.score_s)
       mark = "  <- chosen" if c is self.winner else ""
       bound = f" ({c.bound})" if c.bound else ""
@@ -114,8 +115,8 @@ def auto_layout_module(model_factory: Callable, target: hardware.Accelerator, de
                                   microbatches, say)
   for c, _ in cands:
     if c.plan is not None and c.plan.total > acc.usable_bytes:
-      c.verdict = (f"does not fit by estimate: {bytes_text(c.plan.total)} > "
-                   f"{bytes_text(acc.usable_bytes)}")
+      c.verdict = (f"does not fit by estimate: {units.size(c.plan.total)} > "
+                   f"{units.size(acc.usable_bytes)}")
   ranked = sorted((cm for cm in cands if cm[0].verdict == "not compiled"),
                   key=lambda cm: cm[0].plan.total)
   dropped = [c for c, _ in cands if c.verdict != "not compiled"]  # skipped or too big
@@ -189,21 +190,21 @@ def _compile(c: ModuleCandidate, abstract, mesh, batch, loss_fn, microbatches: i
     c.verdict = f"refused: {e}"
     return
   if c.report.total_bytes > acc.usable_bytes:
-    c.verdict = (f"does not fit when compiled: {bytes_text(c.report.total_bytes)} > "
-                 f"{bytes_text(acc.usable_bytes)}")
+    c.verdict = (f"does not fit when compiled: {units.size(c.report.total_bytes)} > "
+                 f"{units.size(acc.usable_bytes)}")
     return
   c.score_s, c.bound = roofline(c.report, acc)
   c.verdict = "fits"
 
 
-def roofline(report: aot.CompiledReport, acc: hardware.Accelerator) -> tuple[float, str]:
+def roofline(report: StepReport, acc: hardware.Accelerator) -> tuple[float, str]:
   """(step seconds, what bounds it) from a compiled program alone: there is no formula for
   an unknown module, so memory traffic is its buffers touched once (a lower bound), and
   collectives cross the fast link unless the devices span more than one fast domain."""
   link = acc.ici_bw if report.n_devices <= acc.ici_domain else acc.dcn_bw
   buffers = report.argument_bytes + report.output_bytes + report.temp_bytes
   terms = {"compute": report.flops / (acc.peak_flops * acc.efficiency),
-           "communication": sum(k["bytes"] for k in report.collectives.values()) / link,
+           "communication": sum(k["bytes"] for k in report.kinds().values()) / link,
            "memory": buffers / acc.hbm_bw}
   bound = max(terms, key=terms.get)
   return terms[bound], bound

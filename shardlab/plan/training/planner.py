@@ -1,8 +1,9 @@
 """The planner: per-device memory, fit, minimum device count, communication, a roofline step
 time, and a search over meshes — before renting any hardware.
 
-    from shardlab.plan import planner as plan
-    p = plan.plan(plan.Request(model="llama2-70b", target="a100-80g", devices=128))
+    from shardlab.plan.training import planner as plan
+    p = plan.plan(plan.Request.of(model="llama2-70b", target="a100-80g", devices=128))
+    p = plan.plan(plan.Request.from_config(cfg, target="a100-80g"))  # what a run would run
     p.fits, p.estimate.memory.total, p.estimate.step_s, p.min_devices["overall"]
 
 Every sharding comes from `state.shardings` on an abstract mesh (no devices, no memory), so
@@ -15,17 +16,20 @@ from typing import Any
 import jax.numpy as jnp
 
 from shardlab.errors import ConfigError
-from shardlab.models import protocol, registry
-from shardlab.plan.estimate import (MAX_DEVICES, STRATEGIES, Estimate, Request, abstract_mesh,
-                                    default_shape, estimate, resolve_mesh, run_config,
-                                    split_ici_dcn, train_config)
-from shardlab.plan.scaling import thresholds
-from shardlab.plan.search import factorizations, min_devices, search
+from shardlab.models import protocol
+from shardlab.plan.training.estimate import (MAX_DEVICES, STRATEGIES, Estimate, abstract_mesh,
+                                             default_shape, estimate, resolve_mesh,
+                                             split_ici_dcn)
+from shardlab.plan.training.request import PLANNER_TRAIN, Request, run_config, train_config
+from shardlab.plan.training.scaling import thresholds
+from shardlab.plan.training.search import factorizations, min_devices, search
 from shardlab.runtime import hardware
+from shardlab.runtime.units import gib
 from shardlab.training import precision as precision_lib
 
-__all__ = ["MAX_DEVICES", "STRATEGIES", "Estimate", "Plan", "Request", "abstract_mesh",
-           "default_shape", "estimate", "factorizations", "min_devices", "per_strategy", "plan",
+__all__ = ["MAX_DEVICES", "PLANNER_TRAIN", "STRATEGIES", "Estimate", "Plan", "Request",
+           "abstract_mesh", "default_shape", "estimate", "factorizations", "min_devices",
+           "per_strategy", "plan",
            "resolve_mesh", "run_config", "search", "split_ici_dcn", "thresholds",
            "train_config", "warnings"]
 
@@ -52,7 +56,7 @@ class Plan:
 
 
 def plan(req: Request, search_meshes: bool = False) -> Plan:
-  model = registry.load(req.model)
+  model = req.model_config()
   acc = hardware.get(req.target)
   train_config(req)  # validates optimizer / precision / remat / batch
   spec = resolve_mesh(req, model, acc)
@@ -71,27 +75,28 @@ def plan(req: Request, search_meshes: bool = False) -> Plan:
 
 
 def _nothing_fits(req: Request, model, acc, least: Estimate | None, any_m: dict | None) -> str:
-  detail = (f"; the least it needs is {least.memory.total / 2**30:.1f} GiB per device "
+  t = req.train
+  detail = (f"; the least it needs is {gib(least.memory.total, digits=1)} per device "
             f"({least.strategy} on {least.n_devices}: {least.mesh})" if least else "")
   if any_m:
-    return (f"model {model.name!r} cannot fit on {acc.name} at {req.microbatches} "
+    return (f"model {model.name!r} cannot fit on {acc.name} at {t.microbatches} "
             f"microbatch(es) at any device count up to {MAX_DEVICES}; with "
             f"--microbatches {any_m['microbatches']} it fits on {any_m['devices']} devices "
             f"({any_m['strategy']}: {any_m['mesh']})")
-  return (f"model {model.name!r} cannot fit on {acc.name} ({acc.usable_bytes / 2**30:.2f} GiB "
+  return (f"model {model.name!r} cannot fit on {acc.name} ({gib(acc.usable_bytes)} "
           f"usable) at any device count up to {MAX_DEVICES} with global_batch "
-          f"{req.global_batch} × seq_len {req.seq_len}, remat {req.remat!r}, at any "
+          f"{t.global_batch} × seq_len {t.seq_len}, remat {t.remat!r}, at any "
           f"microbatch count{detail}; lower the batch or sequence, use remat='full' or a "
           f"larger target")
 
 
 def warnings(req: Request, model) -> list[str]:
   out = []
-  if req.seq_len > model.max_seq_len:
+  if req.train.seq_len > model.max_seq_len:
     # train.py refuses this run; a planner answers anyway (the step's cost is well defined)
     # and says what it would take.
     why = protocol.get(model, "position_limit")
-    out.append(f"--seq-len {req.seq_len} exceeds {model.name}'s trained context "
+    out.append(f"--seq-len {req.train.seq_len} exceeds {model.name}'s trained context "
                f"(max_seq_len {model.max_seq_len}): {why}, and train.py refuses it (raise "
                f"max_seq_len in a model TOML, and extend the context, to train this long)")
   return out

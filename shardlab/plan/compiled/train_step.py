@@ -8,16 +8,17 @@ reduce-scatters.
 
 import dataclasses
 
-from shardlab.plan import aot
+from shardlab.plan.compiled import aot
 from shardlab import config as config_lib
 from shardlab.runtime import devices, jax_compat
 from shardlab.runtime import hardware
 from shardlab.sharding import mesh as mesh_lib
-from shardlab.plan import planner as plan_lib
+from shardlab.plan.training import planner as plan_lib
 from shardlab.errors import ConfigError
 from shardlab.models import registry
+from shardlab.observe.step_report import StepReport
+from shardlab.runtime.units import gib
 
-GiB = 2**30
 
 
 def inline_mesh(spec: mesh_lib.MeshSpec) -> str:
@@ -27,14 +28,12 @@ def inline_mesh(spec: mesh_lib.MeshSpec) -> str:
 
 
 def run_config(req: plan_lib.Request, spec: mesh_lib.MeshSpec) -> config_lib.Config:
-  model = registry.load(req.model)
-  return config_lib.Config(model=model, mesh=inline_mesh(spec), strategy=req.strategy,
-                           train=plan_lib.train_config(req), rules=req.rules, lora=req.lora)
+  """The run Config of the request on `spec`, inline (the compile's subprocess rebuilds it)."""
+  return plan_lib.run_config(req, req.model_config(), inline_mesh(spec))
 
 
 def _spec(req: plan_lib.Request) -> mesh_lib.MeshSpec:
-  model = registry.load(req.model)
-  return plan_lib.resolve_mesh(req, model, hardware.get(req.target))
+  return plan_lib.resolve_mesh(req, req.model_config(), hardware.get(req.target))
 
 
 def prepare_cpu_devices(req: plan_lib.Request) -> None:
@@ -51,14 +50,14 @@ def cpu_only() -> None:
     jax.config.update("jax_platforms", "cpu")
 
 
-def compare(report: aot.CompiledReport, est: plan_lib.Estimate) -> dict:
+def compare(report: StepReport, est: plan_lib.Estimate) -> dict:
   mem = est.memory
   analytic = {"state_bytes": mem.state + mem.batch, "total_bytes": mem.total,
               "collectives": est.collectives}
   ratio = {"state": analytic["state_bytes"] / max(report.argument_bytes, 1),
            "total": mem.total / max(report.total_bytes, 1)}
   for kind, b in est.collectives.items():
-    got = report.collectives.get(kind, {}).get("bytes", 0)
+    got = report.kinds().get(kind, {}).get("bytes", 0)
     if got or b:
       ratio[kind] = b / got if got else None  # analytic traffic the compiler did not emit
   return {"report": report.as_dict(), "analytic": analytic, "ratio": ratio,
@@ -88,11 +87,11 @@ def attach(result: plan_lib.Plan, on: tuple[str, ...] = ("cpu",)) -> plan_lib.Pl
   if "cpu" in on:
     cpu = aot.compile_on_cpu(cfg, spec.n_devices)
     cpu_est = plan_lib.estimate(req, result.model, acc, spec, backend="cpu")
-    compiled.append(dict(compare(cpu, cpu_est), precision=req.precision))
+    compiled.append(dict(compare(cpu, cpu_est), precision=req.train.precision))
   if "tpu" in on:
     slices = mesh_lib.MeshSpec(ici={}, dcn=spec.dcn).n_devices
     tpu = aot.compile_on_tpu(cfg, acc.topology, spec.n_devices, slices)
-    compiled.append(dict(compare(tpu, result.estimate), precision=req.precision))
+    compiled.append(dict(compare(tpu, result.estimate), precision=req.train.precision))
   return dataclasses.replace(result, compiled=compiled)
 
 
@@ -104,19 +103,19 @@ def render(compiled: list[dict]) -> list[str]:
     if r["where"].startswith("cpu") and c.get("precision") != "fp32":
       lines.append("    (XLA:CPU computes bf16 in fp32: its temporaries are not what a GPU or "
                    "TPU holds; trust its state and collective counts)")
-    lines.append(f"    state (arguments)          {r['argument_bytes'] / GiB:9.3f} GiB   "
-                 f"analytic {a['state_bytes'] / GiB:9.3f} GiB   ratio {q['state']:.3f}")
-    lines.append(f"    total (arg+out-alias+temp) {r['total_bytes'] / GiB:9.3f} GiB   "
-                 f"analytic {a['total_bytes'] / GiB:9.3f} GiB   ratio {q['total']:.3f}   "
+    lines.append(f"    state (arguments)          {gib(r['argument_bytes'], 9, 3)}   "
+                 f"analytic {gib(a['state_bytes'], 9, 3)}   ratio {q['state']:.3f}")
+    lines.append(f"    total (arg+out-alias+temp) {gib(r['total_bytes'], 9, 3)}   "
+                 f"analytic {gib(a['total_bytes'], 9, 3)}   ratio {q['total']:.3f}   "
                  f"{'fits' if c['fits'] else 'DOES NOT FIT'} in "
-                 f"{c['usable_bytes'] / GiB:.2f} GiB")
-    for kind, s in r["collectives"].items():
+                 f"{gib(c['usable_bytes'])}")
+    for kind, s in r["kinds"].items():
       if not s["ops"] and not a["collectives"].get(kind):
         continue
       ratio = q.get(kind)
       lines.append(f"    {kind:18s} {s['count']:5d} runs ({s['ops']:3d} ops) "
-                   f"{s['bytes'] / GiB:9.3f} GiB   analytic "
-                   f"{a['collectives'].get(kind, 0) / GiB:9.3f} GiB" +
+                   f"{gib(s['bytes'], 9, 3)}   analytic "
+                   f"{gib(a['collectives'].get(kind, 0), 9, 3)}" +
                    (f"   ratio {ratio:.3f}" if ratio is not None else ""))
     if r["where"].startswith("tpu") and "reduce-scatter" in q and "all-reduce" in q:
       lines.append("    (the TPU compiler all-reduces some gradients it could reduce-scatter; "
@@ -143,9 +142,9 @@ def grid_request(model: str, strategy: str, remat: str, seq_len: int) -> plan_li
   whole_vocab = strategy == "fsdp_tp" and registry.load(model).vocab_size % 2
   rules = ({table: {"vocab": None} for table in ("params", "opt_state", "activations")}
            if whole_vocab else {})
-  return plan_lib.Request(model=model, precision="fp32", global_batch=n, seq_len=seq_len,
-                          remat=remat, strategy=strategy, mesh=mesh[strategy],
-                          target="a100-80g", rules=rules)
+  return plan_lib.Request.of(model=model, precision="fp32", global_batch=n, seq_len=seq_len,
+                             remat=remat, strategy=strategy, mesh=mesh[strategy],
+                             target="a100-80g", rules=rules)
 
 
 def compare_on_cpu(req: plan_lib.Request) -> dict:
@@ -153,6 +152,6 @@ def compare_on_cpu(req: plan_lib.Request) -> dict:
   has, beside the analytic figures spelled for CPU."""
   spec = _spec(req)
   report = aot.compile_on_cpu(run_config(req, spec), spec.n_devices)
-  est = plan_lib.estimate(req, registry.load(req.model), hardware.get(req.target), spec,
+  est = plan_lib.estimate(req, req.model_config(), hardware.get(req.target), spec,
                           backend="cpu")
   return compare(report, est)

@@ -9,15 +9,14 @@ data=fsdp=1 is dp): the search keeps the fastest of them. An axis of size > 1 th
 nothing the model has only replicates work: such meshes are dropped.
 """
 
-import dataclasses
 import itertools
 import math
 import sys
 
 from shardlab.errors import ConfigError
 from shardlab.observe.progress import Activity
-from shardlab.plan.estimate import MAX_DEVICES, STRATEGIES, Estimate, Request, estimate
-from shardlab.plan.estimate import split_ici_dcn
+from shardlab.plan.training.estimate import MAX_DEVICES, STRATEGIES, Estimate, Request, estimate
+from shardlab.plan.training.estimate import split_ici_dcn
 from shardlab.sharding import mesh as mesh_lib
 from shardlab.sharding import rules as rules_lib
 
@@ -63,8 +62,8 @@ def _axes(value) -> tuple[str, ...]:
 
 def _dims(req: Request, model, microbatches: int) -> dict[str, int]:
   """Each logical name's size: the model's parameter axes, the (micro)batch, the sequence."""
-  return {**model.axis_sizes(), "batch": req.global_batch // microbatches,
-          "length": req.seq_len}
+  return {**model.axis_sizes(), "batch": req.train.global_batch // microbatches,
+          "length": req.train.seq_len}
 
 
 def placement(rules: rules_lib.Rules, spec: mesh_lib.MeshSpec, dims: dict) -> tuple | None:
@@ -120,11 +119,11 @@ def search(req: Request, model, acc, n: int,
   """Every distinct placement on n devices that is valid and fits, fastest (analytically)
   first; of candidates with the same placement, the fastest."""
   best: dict[tuple, Estimate] = {}
-  dims = _dims(req, model, req.microbatches)
+  dims = _dims(req, model, req.train.microbatches)
   for strategy in strategies:
     rules = rules_lib.strategy(strategy, req.rules)
-    for shape in (factorizations(n, req.seq_len) + staged(n, req.seq_len, dims, acc) +
-                  expert_shapes(n, req.seq_len, dims)):
+    for shape in (factorizations(n, req.train.seq_len) + staged(n, req.train.seq_len, dims, acc) +
+                  expert_shapes(n, req.train.seq_len, dims)):
       spec = split_ici_dcn(shape, acc.ici_domain)
       key = placement(rules, spec, dims)
       e = None if key is None else _try(req, model, acc, spec, strategy)
@@ -159,7 +158,7 @@ def candidates(req: Request, model, acc, microbatches: int,
     rules = rules_lib.strategy(strategy, req.rules)
     sizes = _axis_sizes(rules, dims)
     for shape in itertools.product(sizes["tensor"], sizes["fsdp"], sizes["data"],
-                                   context_sizes(req.seq_len)):
+                                   context_sizes(req.train.seq_len)):
       t, f, d, c = shape
       shards = math.prod({"data": d, "fsdp": f}.get(a, 1) for a in rules.batch_axes)
       if d * f * t * c > bound or dims["batch"] % shards:
@@ -196,16 +195,16 @@ def _never_fit(req: Request, model, acc, by_n: dict, seen: list) -> set[str]:
 
 
 def _scan(req: Request, model, acc, bound: int, every_strategy: bool) -> tuple[dict, list]:
-  """The fewest devices (<= bound) that fit at req.microbatches, per strategy (or only the
+  """The fewest devices (<= bound) that fit at req.train.microbatches, per strategy (or only the
   first to fit): ascending over every count a mesh can run on, stopping where it fits."""
-  by_n = candidates(req, model, acc, req.microbatches, bound)
+  by_n = candidates(req, model, acc, req.train.microbatches, bound)
   seen: list = []
   total = sum(len(c) for c in by_n.values())
   # Ruling strategies out costs an estimate per fsdp size: worth it only for long scans.
   pending = set(STRATEGIES) - (_never_fit(req, model, acc, by_n, seen) if total > PRUNE_AT
                                else set())
   found: dict[str, Estimate] = {}
-  label = f"fewest devices at {req.microbatches} microbatch(es)"
+  label = f"fewest devices at {req.train.microbatches} microbatch(es)"
   with Activity(label, total=total, stream=sys.stderr) if total > LONG_SCAN else \
        _Quiet() as activity:
     for n, cands in by_n.items():
@@ -258,12 +257,13 @@ def min_devices(req: Request, model, acc) -> tuple[dict, Estimate | None]:
                    {k: v for k, v in _row(found[s]).items() if k != "strategy"})
                for s in STRATEGIES}
   out["overall"] = _best([_row(e) for e in found.values()])
-  rows = [] if out["overall"] is None else [{**out["overall"], "microbatches": req.microbatches}]
-  for m in divisors(req.global_batch):
-    if m == req.microbatches:
+  rows = [] if out["overall"] is None else [{**out["overall"],
+                                             "microbatches": req.train.microbatches}]
+  for m in divisors(req.train.global_batch):
+    if m == req.train.microbatches:
       continue
     bound = rows[0]["devices"] if rows else MAX_DEVICES
-    more, also = _scan(dataclasses.replace(req, microbatches=m), model, acc, bound, False)
+    more, also = _scan(req.with_train(microbatches=m), model, acc, bound, False)
     seen += also
     rows = [r for r in [_best(rows + [_row(e, m) for e in more.values()])] if r]
   out["any_microbatches"] = _best(rows)
