@@ -76,6 +76,26 @@ def scan_blocks(blocks: nnx.Module, x_BxLxD, cache: KVCache | None, remat: str, 
   return (x, cache_kv) if stats is None else ((x, totals), cache_kv)
 
 
+def token_layout(tokens_BxL, positions_BxL, cache: KVCache | None, segments_BxL, d_model: int):
+  """(tokens, positions, doc, restore, start) as a decoder's layers read them: positions
+  default to the ones after the cache's `start`; packed documents or a sequence split over
+  `context` take the zig-zag layout — `doc` is then (positions, segment ids) for the masks
+  and `restore` undoes the reordering on the output (otherwise None and the identity)."""
+  b, l = tokens_BxL.shape
+  start = 0 if cache is None else cache.index
+  if positions_BxL is None:
+    positions_BxL = jnp.broadcast_to(start + jnp.arange(l), (b, l))
+  doc, restore = None, lambda x: x
+  shape = (b, l, d_model)
+  if cache is None and (segments_BxL is not None or parallel.is_context_parallel(shape)):
+    if segments_BxL is None:
+      segments_BxL = jnp.ones((b, l), jnp.int32)
+    (tokens_BxL, positions_BxL, segments_BxL), restore = parallel.zigzag(
+        shape, tokens_BxL, positions_BxL, segments_BxL)
+    doc = (positions_BxL, segments_BxL)
+  return tokens_BxL, positions_BxL, doc, restore, start
+
+
 def call_block(block, x_BxLxD, *args):
   """One block without a cache, its output only: a pipeline_parts' layer call."""
   return block(x_BxLxD, *args, None)[0]

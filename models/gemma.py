@@ -26,6 +26,7 @@ from flax import nnx
 from shardlab import parallel
 from shardlab.models import llama, rope
 from shardlab.models.decoder import ACTIVATIONS, KVCache, causal_mask, embed, logits
+from shardlab.models.decoder import token_layout
 from shardlab.parallel import constrain, reduce_grads_early, stacked_param as _param
 
 
@@ -215,18 +216,9 @@ class Gemma(nnx.Module):
     return self.capped(logits(x, self.output_head())), cache
 
   def _forward(self, tokens_BxL, positions_BxL, cache: KVCache | None, segments_BxL=None):
-    b, l = tokens_BxL.shape
-    start = 0 if cache is None else cache.index
-    if positions_BxL is None:
-      positions_BxL = jnp.broadcast_to(start + jnp.arange(l), (b, l))
-    doc, restore = None, lambda x: x
-    shape = (b, l, self.cfg.d_model)
-    if cache is None and (segments_BxL is not None or parallel.is_context_parallel(shape)):
-      if segments_BxL is None:
-        segments_BxL = jnp.ones((b, l), jnp.int32)
-      (tokens_BxL, positions_BxL, segments_BxL), restore = parallel.zigzag(
-          shape, tokens_BxL, positions_BxL, segments_BxL)
-      doc = (positions_BxL, segments_BxL)
+    l = tokens_BxL.shape[1]
+    tokens_BxL, positions_BxL, doc, restore, start = token_layout(
+        tokens_BxL, positions_BxL, cache, segments_BxL, self.cfg.d_model)
     x = embed(self.embed_VxD[...], tokens_BxL)
     # √d in the table's (compute) dtype, as transformers casts it (bf16: 55.4256 → 55.5).
     x = x * jnp.asarray(self.cfg.d_model ** 0.5, x.dtype)

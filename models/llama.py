@@ -17,7 +17,7 @@ from flax import nnx
 from shardlab import parallel
 from shardlab.models import rope
 from shardlab.models.decoder import ACTIVATIONS, Block, KVCache, attend, causal_mask, embed
-from shardlab.models.decoder import call_block, logits
+from shardlab.models.decoder import call_block, logits, token_layout
 from shardlab.models.decoder import scan_blocks
 from shardlab.parallel import constrain, reduce_grads_early, stacked_param as _param
 from shardlab.parallel import swiglu  # noqa: F401 (models.llama.swiglu, as before)
@@ -230,18 +230,9 @@ class Llama(nnx.Module):
   def _inputs(self, tokens_BxL, positions_BxL, cache: KVCache | None, segments_BxL):
     """(embedded tokens, the layers' extra inputs, the undo of context parallelism's
     reordering, the cache index after these tokens)."""
-    b, l = tokens_BxL.shape
-    start = 0 if cache is None else cache.index
-    if positions_BxL is None:
-      positions_BxL = jnp.broadcast_to(start + jnp.arange(l), (b, l))
-    doc, restore = None, lambda x: x
-    shape = (b, l, self.cfg.d_model)
-    if cache is None and (segments_BxL is not None or parallel.is_context_parallel(shape)):
-      if segments_BxL is None:
-        segments_BxL = jnp.ones((b, l), jnp.int32)
-      (tokens_BxL, positions_BxL, segments_BxL), restore = parallel.zigzag(
-          shape, tokens_BxL, positions_BxL, segments_BxL)
-      doc = (positions_BxL, segments_BxL)
+    l = tokens_BxL.shape[1]
+    tokens_BxL, positions_BxL, doc, restore, start = token_layout(
+        tokens_BxL, positions_BxL, cache, segments_BxL, self.cfg.d_model)
     x = embed(self.embed_VxD[...], tokens_BxL)
     scaled = getattr(self.cfg, "rope_scaling", "none") != "none"
     cos, sin = rope_tables(positions_BxL, self.cfg.head_dim, self.cfg.rope_theta,

@@ -31,13 +31,9 @@ def full_attention(m) -> dict:
           "max_window_layers": m.n_layers, "layer_types": [FULL] * m.n_layers}
 
 
-@adapter("qwen2")
-class Qwen2Adapter(LlamaAdapter):
-  label = "Qwen2"
-  architectures = ("Qwen2ForCausalLM",)
-  model_types = ("qwen2",)
-  requires = {"hidden_act": LlamaAdapter.requires["hidden_act"],
-              "attention_dropout": LlamaAdapter.requires["attention_dropout"], **NO_WINDOWS}
+class FullAttentionAdapter(LlamaAdapter):
+  """Llama's adapter for a family whose config can ask for sliding windows (Qwen2, Qwen3):
+  refused on import, written off on export."""
 
   def model_fields(self, hf: dict, name: str, where: str) -> dict:
     refuse_windows(hf, where)
@@ -45,6 +41,15 @@ class Qwen2Adapter(LlamaAdapter):
 
   def to_hf(self, m, dtype: str) -> dict:
     return {**super().to_hf(m, dtype), **full_attention(m)}
+
+
+@adapter("qwen2")
+class Qwen2Adapter(FullAttentionAdapter):
+  label = "Qwen2"
+  architectures = ("Qwen2ForCausalLM",)
+  model_types = ("qwen2",)
+  requires = {"hidden_act": LlamaAdapter.requires["hidden_act"],
+              "attention_dropout": LlamaAdapter.requires["attention_dropout"], **NO_WINDOWS}
 
   def attention_tensors(self, m) -> list[Mapping]:
     """llama's, plus the q, k and v biases (H·E or K·E, head-major as the weights' rows)."""

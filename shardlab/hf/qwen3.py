@@ -17,23 +17,16 @@ from shardlab.errors import ConfigError
 from shardlab.hf.adapter import CONFIG_FILE, STACKED, Mapping, adapter
 from shardlab.hf.llama import LlamaAdapter, block
 from shardlab.hf.mixtral import ExpertReader
-from shardlab.hf.qwen2 import NO_WINDOWS, full_attention, refuse_windows
+from shardlab.hf.qwen2 import NO_WINDOWS, FullAttentionAdapter
 
 
 @adapter("qwen3")
-class Qwen3Adapter(LlamaAdapter):
+class Qwen3Adapter(FullAttentionAdapter):
   label = "Qwen3"
   architectures = ("Qwen3ForCausalLM",)
   model_types = ("qwen3",)
   requires = {k: LlamaAdapter.requires[k]
               for k in ("hidden_act", "attention_bias", "attention_dropout")} | NO_WINDOWS
-
-  def model_fields(self, hf: dict, name: str, where: str) -> dict:
-    refuse_windows(hf, where)
-    return super().model_fields(hf, name, where)
-
-  def to_hf(self, m, dtype: str) -> dict:
-    return {**super().to_hf(m, dtype), **full_attention(m)}
 
   def attention_tensors(self, m) -> list[Mapping]:
     """llama's, plus the q and k head norms (E each)."""
