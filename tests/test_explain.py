@@ -1,6 +1,7 @@
 """`shardlab explain`: every collective of a compiled step with its source line, bytes, time
 and a verdict; conflicting annotations show up as unplanned resharding naming both lines;
---against shows what another strategy changed, byte for byte; the HTML page renders."""
+--against shows what another strategy (or a saved report) changed, byte for byte, with the
+steps' collective time and memory; the HTML page renders."""
 
 import json
 import pathlib
@@ -135,7 +136,18 @@ def test_against_fsdp_shows_tensor_reductions_and_smaller_gathers():
   moved = sum(r.bytes for r in diff.appeared) - sum(r.bytes for r in diff.disappeared) + \
       sum(b.bytes - a.bytes for a, b in diff.changed)
   assert moved == sum(r.bytes for r in this.rows) - sum(r.bytes for r in other.rows)
-  assert "against fsdp" in "\n".join(diff.render())
+  text = "\n".join(diff.render())
+  assert "against fsdp" in text
+  # The whole steps too: collective time on the target, and XLA's memory per device.
+  assert diff.seconds == (this.seconds, other.seconds) and this.seconds > 0
+  assert diff.memory == (step_report.report(tp.compiled_step, tp.mesh).total_bytes,
+                         step_report.report(fsdp.compiled_step, fsdp.mesh).total_bytes)
+  assert f"({diff.memory[0] - diff.memory[1]:+,d} B)" in text and "collective time:" in text
+  # A report saved as JSON (another commit's step: --against-report) compares the same.
+  saved = type(other).from_dict(json.loads(json.dumps(other.as_dict())))
+  assert saved == other
+  again = explain_diff.compare(this, saved, "fsdp")
+  assert again.delta_by_kind() == diff.delta_by_kind() and again.memory == diff.memory
 
 
 def test_remat_warnings_are_parsed_into_rows():
@@ -184,6 +196,16 @@ def test_cli_prints_text_json_and_html(tmp_path, capsys):
   assert out["rows"] and all(r["verdict"] in verdicts.PLANNED for r in out["rows"])
   assert "<table" in page.read_text() and len(out["rows"]) == page.read_text().count("<tr>") - 1  # + the header
   assert explain_cli.explain_main(["--strategy", "nope"]) == 2
+  saved = tmp_path / "saved.json"  # as if from another commit: here, the same step
+  saved.write_text(json.dumps(out))
+  assert explain_cli.explain_main(argv + ["--json", "--against-report", str(saved)]) == 0
+  against = json.loads(capsys.readouterr().out)["against"]
+  assert (against["appeared"], against["disappeared"], against["changed"]) == (0, 0, 0)
+  assert set(against["delta_by_kind"].values()) == {0}
+  assert against["memory_bytes"][0] == against["memory_bytes"][1] > 0
+  saved.write_text("{not json")
+  assert explain_cli.explain_main(argv + ["--against-report", str(saved)]) == 2
+  assert "not a report written by `shardlab explain --json`" in capsys.readouterr().err
 
 
 def test_docs_example_runs(capsys):

@@ -35,6 +35,9 @@ def explain_parser(prog: str = "shardlab explain") -> argparse.ArgumentParser:
   p.add_argument("--against-set", dest="against_overrides", action="append", default=[],
                  metavar="KEY=VALUE", help="the other step: this one with these overrides "
                                            "(e.g. rules.params.mlp=none)")
+  p.add_argument("--against-report", metavar="FILE.json",
+                 help="compare with a report saved by `shardlab explain --json > FILE.json`, "
+                      "e.g. at another commit or on another machine")
   p.add_argument("--html", metavar="FILE", help="also write the report as one HTML page")
   p.add_argument("--json", action="store_true", help="print JSON instead of text")
   add_simulate_devices(p)
@@ -67,13 +70,7 @@ def explain_main(argv=None, prog: str = "shardlab explain") -> int:
     setup_devices(args.simulate_devices)
     cfg = load_config(args.model, args.mesh, args.strategy, args.overrides)
     report = explain_config(cfg, args.target)
-    diff = None
-    if args.against or args.against_overrides:
-      strategy = args.against or args.strategy
-      other_cfg = load_config(args.model, args.mesh, strategy,
-                              list(args.overrides) + list(args.against_overrides))
-      label = " ".join([strategy] + list(args.against_overrides))
-      diff = explain_diff.compare(report, explain_config(other_cfg, args.target), label)
+    diff = _against(args, report)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -86,10 +83,30 @@ def explain_main(argv=None, prog: str = "shardlab explain") -> int:
     if diff is not None:
       out["against"] = {"other": diff.other, "delta_by_kind": diff.delta_by_kind(),
                         "appeared": len(diff.appeared), "disappeared": len(diff.disappeared),
-                        "changed": len(diff.changed)}
+                        "changed": len(diff.changed), "seconds": list(diff.seconds),
+                        "memory_bytes": list(diff.memory)}
     print(json.dumps(out, indent=2))
   else:
     print("\n".join(report.render()))
     if diff is not None:
       print("\n" + "\n".join(diff.render()))
   return 0
+
+
+def _against(args, report):
+  """The comparison --against, --against-set or --against-report asks for, or None."""
+  if args.against_report:
+    try:
+      saved = json.loads(open(args.against_report).read())
+      other = explain_lib.Report.from_dict(saved)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      raise ConfigError(f"--against-report {args.against_report}: not a report written by "
+                        f"`shardlab explain --json` ({type(e).__name__}: {e})") from None
+    return explain_diff.compare(report, other, args.against_report)
+  if not (args.against or args.against_overrides):
+    return None
+  strategy = args.against or args.strategy
+  other_cfg = load_config(args.model, args.mesh, strategy,
+                          list(args.overrides) + list(args.against_overrides))
+  label = " ".join([strategy] + list(args.against_overrides))
+  return explain_diff.compare(report, explain_config(other_cfg, args.target), label)

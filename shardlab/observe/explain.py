@@ -54,6 +54,21 @@ class Report:
   rows: list[Row]
   target: str
   warnings: list[str] = dataclasses.field(default_factory=list)
+  memory_bytes: int | None = None  # XLA's peak per device; None for HLO text
+
+  @property
+  def seconds(self) -> float:
+    """The collectives' time on the target's links, none of it hidden behind compute."""
+    return sum(r.seconds for r in self.rows)
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "Report":
+    """A report read back from `as_dict` (`shardlab explain --json`): another commit's or
+    machine's step to compare with (--against-report)."""
+    fields = {f.name for f in dataclasses.fields(Row)}
+    rows = [Row(**{**{k: v for k, v in r.items() if k in fields}, "axes": tuple(r["axes"])})
+            for r in d["rows"]]
+    return cls(rows, d["target"], list(d.get("warnings", [])), d.get("memory_bytes"))
 
   @property
   def unplanned(self) -> list[Row]:
@@ -75,7 +90,8 @@ class Report:
   def as_dict(self) -> dict:
     return {"target": self.target, "rows": [dataclasses.asdict(r) for r in self.rows],
             "totals": {k: {"bytes": b, "seconds": s} for k, (b, s) in self.totals().items()},
-            "warnings": self.warnings}
+            "warnings": self.warnings, "memory_bytes": self.memory_bytes,
+            "seconds": self.seconds}
 
 
 def wire_seconds(kind: str, nbytes: int, n: int, bandwidth: float) -> float:
@@ -100,10 +116,11 @@ def explain(program, *args, mesh=None, rules=None, names=None, target: str = DEF
   rules = rules if rules is not None else getattr(shardings, "rules", None)
   if mesh is None:
     raise TypeError("explain needs the mesh the program runs on (mesh=)")
-  text, debug, warnings, arguments = explain_compile.compiled_text(program, args)
+  c = explain_compile.compiled_text(program, args)
+  text, warnings = c.text, c.warnings
   accel = hardware.get(target)
-  ctx = _Context(mesh, verdicts.plan(rules), rules, verdicts.leaves(arguments, names),
-                 notes_lib.annotations(debug) if debug else [], accel, set(dcn_axes))
+  ctx = _Context(mesh, verdicts.plan(rules), rules, verdicts.leaves(c.arguments, names),
+                 notes_lib.annotations(c.debug) if c.debug else [], accel, set(dcn_axes))
   sources = hlo_source.SourceMap(text)
   computations, _ = hlo.parse(text)
   attrs = {(c, i.name): i.attrs for c, instrs in computations.items() for i in instrs}
@@ -111,7 +128,7 @@ def explain(program, *args, mesh=None, rules=None, names=None, target: str = DEF
           for op in hlo.collective_ops(text) if op.executions]
   rows += [explain_compile.remat_row(w, ctx, Row) for w in warnings]
   rows.sort(key=lambda r: (-r.seconds, -r.bytes, r.source))
-  return Report(rows, accel.name, [w.text for w in warnings])
+  return Report(rows, accel.name, [w.text for w in warnings], c.memory_bytes)
 
 
 @dataclasses.dataclass

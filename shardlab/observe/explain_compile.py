@@ -62,22 +62,40 @@ def warnings(text: str) -> list[RematWarning]:
   return out
 
 
-def compiled_text(program, args) -> tuple[str, str, list[RematWarning], list]:
-  """(optimised HLO text, the lowered module's debug text or "", remat warnings, the
-  arguments as (path, shape, sharding) triples)."""
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+  text: str  # the optimised HLO
+  debug: str  # the lowered module's text with source locations, or ""
+  warnings: list  # RematWarning
+  arguments: list  # (path, shape, sharding) of each argument leaf
+  memory_bytes: int | None  # XLA's peak per device (arguments + outputs − aliased + temps)
+
+
+def compiled_text(program, args) -> Compiled:
+  """What explain reads of `program`: a jitted function (compiled here, its warnings
+  caught), a Lowered (compiled here), a Compiled (its warnings were printed back then) or
+  HLO text (no memory figure)."""
   if isinstance(program, str):
-    return program, "", [], []
+    return Compiled(program, "", [], [], None)
   if hasattr(program, "lower"):  # a jitted function (or a shardlab step)
     lowered = program.lower(*args)
   elif hasattr(program, "compile"):  # a Lowered
     lowered = program
-  else:  # already compiled: its warnings were printed back then
-    return program.as_text(), "", [], arguments(program)
+  else:
+    return Compiled(program.as_text(), "", [], arguments(program), memory(program))
   err: list[str] = []
   with captured_stderr(err):
     compiled = lowered.compile()
-  return (compiled.as_text(), lowered.as_text(debug_info=True), warnings(err[0]),
-          arguments(compiled))
+  return Compiled(compiled.as_text(), lowered.as_text(debug_info=True), warnings(err[0]),
+                  arguments(compiled), memory(compiled))
+
+
+def memory(compiled) -> int | None:
+  m = compiled.memory_analysis()
+  if m is None:
+    return None
+  return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes +
+          m.temp_size_in_bytes)
 
 
 def arguments(compiled) -> list:

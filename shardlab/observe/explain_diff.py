@@ -1,5 +1,5 @@
 """What changed between two explain reports: collectives that appeared, disappeared or
-changed size. Rows are matched by what they are (kind, mesh axes, source line, pass,
+changed size, and the steps' collective time and memory per device. Rows are matched by what they are (kind, mesh axes, source line, pass,
 verdict, what they move) and summed per match, so the byte deltas add up to the difference
 of the two compiled programs' totals."""
 
@@ -16,6 +16,10 @@ class Diff:
   changed: list  # (other's row, this row) with different bytes
   this_rows: list
   other_rows: list
+  # The whole steps: collective time on the target (s) and XLA's memory per device (bytes,
+  # None where a report has none), (this, other).
+  seconds: tuple = (0.0, 0.0)
+  memory: tuple = (None, None)
 
   def delta_by_kind(self) -> dict[str, int]:
     """{kind: bytes here − bytes there}: the compiled programs' difference per kind."""
@@ -48,4 +52,5 @@ def compare(this, other, label: str = "the other step") -> Diff:
   gone = [r for k, r in theirs.items() if k not in mine]
   changed = [(theirs[k], r) for k, r in mine.items()
              if k in theirs and theirs[k].bytes != r.bytes]
-  return Diff(label, appeared, gone, changed, this.rows, other.rows)
+  return Diff(label, appeared, gone, changed, this.rows, other.rows,
+              (this.seconds, other.seconds), (this.memory_bytes, other.memory_bytes))

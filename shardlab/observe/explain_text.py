@@ -46,4 +46,11 @@ def render_diff(diff) -> list[str]:
                  f"{b.verdict} {b.source}")
   lines.append("bytes by kind (this − other): " + ", ".join(
       f"{k} {v:+,d} B" for k, v in diff.delta_by_kind().items()))
+  (mine, theirs) = diff.seconds
+  lines.append(f"collective time: {seconds_text(theirs)} → {seconds_text(mine)} "
+               f"({'+' if mine >= theirs else '-'}{seconds_text(abs(mine - theirs))})")
+  if None not in diff.memory:
+    mine, theirs = diff.memory
+    lines.append(f"memory per device (XLA): {bytes_text(theirs)} → {bytes_text(mine)} "
+                 f"({mine - theirs:+,d} B)")
   return lines
