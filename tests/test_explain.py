@@ -150,6 +150,16 @@ def test_against_fsdp_shows_tensor_reductions_and_smaller_gathers():
   assert again.delta_by_kind() == diff.delta_by_kind() and again.memory == diff.memory
 
 
+def test_the_partitioners_involuntary_rematerialization_is_an_unplanned_row():
+  """A real one, not a made-up message: fsdp on data:2,fsdp:4 (the layout the issue found
+  printing it). A fresh Run: a step compiled before would not print it again."""
+  run = helpers.Run(helpers.make_config("fsdp", "data:2,fsdp:4"), None)
+  report = explain(run.lowered_step, mesh=run.mesh, rules=run.rules, names=run.abstract.names)
+  remat = [r for r in report.unplanned if r.verdict == verdicts.REMAT]
+  assert remat and report.warnings, report.render()
+  assert all("reshard" in r.hint or "constrain" in r.hint for r in remat)
+
+
 def test_remat_warnings_are_parsed_into_rows():
   text = ("W0101 00:00:00.000000 1 spmd_partitioner.cc:630] [SPMD] Involuntary full "
           "rematerialization. The compiler cannot go from sharding {devices=[8,1]<=[8]} to "
