@@ -18,8 +18,10 @@ from flax import nnx
 
 import shardlab as sl
 from shardlab.cli import explain as explain_cli
-from shardlab.observe import explain_compile, explain_diff, explain_html, step_report
-from shardlab.observe import explain_verdicts as verdicts
+from shardlab.observe import step_report
+from shardlab.observe.explain import compiled as explain_compile, diff as explain_diff
+from shardlab.observe.explain import html as explain_html
+import shardlab.observe.explain.verdicts as verdicts
 from shardlab.observe.explain import explain
 from shardlab.testing import assert_no_collective, assert_no_unplanned_collectives
 

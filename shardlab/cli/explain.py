@@ -12,8 +12,10 @@ import numpy as np
 from shardlab.cli.args import add_model_mesh_strategy, add_overrides, add_simulate_devices
 from shardlab.cli.args import load_config, setup_devices
 from shardlab.errors import ConfigError
-from shardlab.observe import explain as explain_lib
-from shardlab.observe import explain_diff, explain_html, progress
+import shardlab.observe.explain.report as explain_lib
+import shardlab.observe.explain.diff as explain_diff
+import shardlab.observe.explain.html as explain_html
+from shardlab.observe import progress
 from shardlab.runtime import hardware
 from shardlab.training import run as run_lib
 

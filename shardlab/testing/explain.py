@@ -1,7 +1,7 @@
 """Assertions about why a compiled step communicates (shardlab.observe.explain): nothing
 unplanned, and no collective over a given mesh axis from a given line or function."""
 
-from shardlab.observe import explain as explain_lib
+import shardlab.observe.explain.report as explain_lib
 
 
 def _report(program, args, **kw) -> explain_lib.Report:

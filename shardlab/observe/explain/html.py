@@ -3,8 +3,8 @@ column (a click on its header), and a bar of time by verdict. No external files 
 
 import html
 
-from shardlab.observe.explain_text import seconds_text
-from shardlab.observe.explain_verdicts import UNPLANNED
+from shardlab.observe.explain.text import seconds_text
+from shardlab.observe.explain.verdicts import UNPLANNED
 from shardlab.observe.step_report import bytes_text
 
 COLUMNS = ("time", "bytes", "kind", "mesh axes", "pass", "verdict", "source", "loop", "moves",

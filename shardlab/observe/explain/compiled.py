@@ -114,7 +114,8 @@ def arguments(compiled) -> list:
 
 def remat_row(w: RematWarning, ctx, row_type):
   """A row for a warning: the rematerialisation gathers the whole tensor on every device."""
-  from shardlab.observe import hlo, explain_verdicts as verdicts
+  from shardlab.observe import hlo
+  import shardlab.observe.explain.verdicts as verdicts
   arrays = hlo.arrays(w.shape)
   nbytes = int(sum(hlo.DTYPE_BYTES[d] * _prod(s) for d, s in arrays))
   axes = tuple(ctx.mesh.axis_names)

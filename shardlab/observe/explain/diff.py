@@ -32,7 +32,7 @@ class Diff:
     return out
 
   def render(self) -> list[str]:
-    from shardlab.observe.explain_text import render_diff
+    from shardlab.observe.explain.text import render_diff
     return render_diff(self)
 
 

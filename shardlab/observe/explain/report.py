@@ -1,23 +1,24 @@
 """Why is each collective of a compiled step there? One row per collective: the source line
 it comes from, forward or backward, inside which loop, kind, mesh axes, bytes per device per
 step (loops counted, shardlab.observe.hlo's convention), time on a target's links, what it
-moves and the rule that sharded it, and a verdict (shardlab.observe.explain_verdicts).
+moves and the rule that sharded it, and a verdict (shardlab.observe.explain.verdicts).
 
     report = explain(step, state, batch)      # a train step and its (abstract) arguments
     print("\\n".join(report.render()))
 
 Counting and bytes are hlo.py's; mesh axes hlo_groups'; source lines hlo_source's; the
-annotations that disagree explain_annotations'. The partitioner's "Involuntary full
+annotations that disagree annotations.py's. The partitioner's "Involuntary full
 rematerialization" warnings go to stderr during the compile, so a step compiled here has
-its fd 2 captured around `.compile()` and parsed (explain_compile).
+its fd 2 captured around `.compile()` and parsed (explain/compiled.py).
 """
 
 import dataclasses
 import math
 
-from shardlab.observe import explain_annotations as notes_lib
-from shardlab.observe import explain_compile, hlo, hlo_groups, hlo_source
-from shardlab.observe import explain_verdicts as verdicts
+import shardlab.observe.explain.annotations as notes_lib
+import shardlab.observe.explain.compiled as explain_compile
+import shardlab.observe.explain.verdicts as verdicts
+from shardlab.observe import hlo, hlo_groups, hlo_source
 from shardlab.runtime import hardware
 
 DEFAULT_TARGET = "h100-80g"
@@ -84,7 +85,7 @@ class Report:
     return {k: tuple(v) for k, v in sorted(out.items(), key=lambda kv: -kv[1][1])}
 
   def render(self) -> list[str]:
-    from shardlab.observe.explain_text import render
+    from shardlab.observe.explain.text import render
     return render(self)
 
   def as_dict(self) -> dict:
