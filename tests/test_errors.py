@@ -163,7 +163,8 @@ def test_cli_values_reach_the_config_as_typed():
 
 def test_unknown_architecture_in_a_model_file(tmp_path):
   (tmp_path / "m.toml").write_text('arch = "mamba"\nvocab_size = 256\n')
-  with pytest.raises(ConfigError, match=r"unknown model.arch 'mamba'.*valid: gpt2, llama"):
+  with pytest.raises(ConfigError, match=r"unknown model.arch 'mamba'.*valid: gemma2, gemma3, "
+                                        r"gpt2, llama, mistral, moe, qwen2, qwen3, qwen3_moe"):
     registry.load(str(tmp_path / "m.toml"))
 
 
