@@ -7,7 +7,6 @@ import json
 import sys
 
 import jax
-import numpy as np
 
 from shardlab.cli.args import add_model_mesh_strategy, add_overrides, add_simulate_devices
 from shardlab.cli.args import load_config, setup_devices
@@ -17,6 +16,7 @@ import shardlab.observe.explain.diff as explain_diff
 import shardlab.observe.explain.html as explain_html
 from shardlab.observe import progress
 from shardlab.runtime import hardware
+from shardlab.sharding import mesh as mesh_lib
 from shardlab.training import run as run_lib
 
 
@@ -58,8 +58,11 @@ def explain_config(cfg, target: str = explain_lib.DEFAULT_TARGET) -> explain_lib
 
 
 def _devices(cfg) -> int:
-  p = run_lib.place(cfg, abstract=True, n_devices=jax.device_count())
-  n = int(np.prod(list(p.shardings.mesh.shape.values())))
+  """How many of this machine's devices the mesh takes, from the mesh alone (a -1 axis
+  takes them all): the abstract state is built once, by explain_config's place."""
+  spec = mesh_lib.load(cfg.mesh)
+  sizes = [*spec.ici.values(), *spec.dcn.values()]
+  n = jax.device_count() if -1 in sizes else spec.n_devices
   if n > jax.device_count():
     raise ConfigError(f"explain compiles on this machine's devices: mesh {cfg.mesh!r} needs "
                       f"{n}, there are {jax.device_count()} (pass --simulate-devices {n})")
