@@ -60,9 +60,9 @@ def to_numpy(tree):
 
 
 @functools.cache
-def reference():
-  """(init, per-step metrics, final state) on one device, whole batch."""
-  r = H.run("dp", "data:1", model=MODEL)
+def reference(model=MODEL):
+  """(init, per-step metrics, final state) of `model` on one device, whole batch."""
+  r = H.run("dp", "data:1", model=model)
   init = to_numpy(r.init)
   final, history = r.train(r.fresh_state(like=init), STEPS)
   return init, history, to_numpy(final)

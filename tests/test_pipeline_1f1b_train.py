@@ -22,6 +22,7 @@ from shardlab.models.llama_config import LlamaConfig
 from shardlab.sharding.activations import activation_rules
 from shardlab.training import checks, run as run_lib, step as step_lib
 from test_moe_parallel import model as moe_model
+import test_pipeline as pipeline_tests
 from test_pipeline import FP32, FP32_ADAM, STEPS, scan_lengths, to_numpy
 
 MODEL = dataclasses.replace(H.MICRO, n_layers=4)  # 2 stages × 2 layers
@@ -32,13 +33,9 @@ def run(schedule: str) -> H.Run:
   return H.run("fsdp", MESH, model=MODEL, microbatches=M, pipeline_schedule=schedule)
 
 
-@functools.cache
 def reference():
   """(init, per-step metrics, final state) on one device, whole batch."""
-  r = H.run("dp", "data:1", model=MODEL)
-  init = to_numpy(r.init)
-  final, history = r.train(r.fresh_state(like=init), STEPS)
-  return init, history, to_numpy(final)
+  return pipeline_tests.reference(MODEL)
 
 
 @functools.cache
