@@ -163,8 +163,9 @@ def test_cli_values_reach_the_config_as_typed():
 
 def test_unknown_architecture_in_a_model_file(tmp_path):
   (tmp_path / "m.toml").write_text('arch = "mamba"\nvocab_size = 256\n')
-  with pytest.raises(ConfigError, match=r"unknown model.arch 'mamba'.*valid: gemma2, gemma3, "
-                                        r"gpt2, llama, mistral, moe, qwen2, qwen3, qwen3_moe"):
+  # Every registered architecture is valid (the suite's test files register one more).
+  valid = ", ".join(sorted(registry.ARCHITECTURES))
+  with pytest.raises(ConfigError, match=rf"unknown model.arch 'mamba'.*valid: {valid}$"):
     registry.load(str(tmp_path / "m.toml"))
 
 
