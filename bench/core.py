@@ -15,10 +15,14 @@ waited for with block_until_ready. The last line printed is the results as JSON.
 """
 
 
+import os
+
 from shardlab.runtime import devices, host_memory  # noqa: E402  (starts no backend)
 
 N_DEVICES = 8
-devices.simulate(N_DEVICES)  # as train.py does: one thread per simulated device
+# bench/gpu_checks.py runs the peer config on a GPU: "native" keeps JAX's own devices.
+if os.environ.get("SHARDLAB_BENCH_DEVICES") != "native":
+  devices.simulate(N_DEVICES)  # as train.py does: one thread per simulated device
 
 import argparse  # noqa: E402
 import json  # noqa: E402
