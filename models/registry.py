@@ -15,7 +15,7 @@ from shardlab.errors import ConfigError, unknown
 # Imported for their registration: each file's @register puts its config on the registry.
 from shardlab.models import gpt2_config, llama_config, moe_config  # noqa: F401
 from shardlab.models import qwen2, qwen3, qwen3_moe  # noqa: F401
-from shardlab.models import gemma_config, mistral  # noqa: F401
+from shardlab.models import gemma_config, mistral, phi3  # noqa: F401
 from shardlab.models.protocol import ARCHITECTURES  # noqa: F401 (read-only: name -> class)
 
 

@@ -120,9 +120,9 @@ def test_index_naming_a_missing_shard(tmp_path):
 
 
 def test_an_architecture_no_family_reads(hf_dir):
-  # Phi-3 has no adapter yet (its checkpoints fuse q, k, v into one tensor).
-  edit_config(hf_dir, architectures=["Phi3ForCausalLM"], model_type="phi3")
-  with pytest.raises(ConfigError, match=r"unsupported architecture 'Phi3ForCausalLM'; "
+  # DeepSeek-V3 has no adapter (multi-head latent attention, its own MoE router).
+  edit_config(hf_dir, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
+  with pytest.raises(ConfigError, match=r"unsupported architecture 'DeepseekV3ForCausalLM'; "
                                         r"supported: LlamaForCausalLM"):
     load(hf_dir)
 

@@ -48,7 +48,7 @@ import_variant()  # before the registry is read below: the variant is checked li
 SMALL = {"llama": "tiny", "gpt2": "gpt2-tiny", "moe": "moe-tiny",
          "llama-qkv-bias": str(VARIANT_TOML), "qwen2": "qwen2-tiny", "qwen3": "qwen3-tiny",
          "qwen3_moe": "qwen3-moe-tiny", "mistral": "mistral-tiny", "gemma2": "gemma2-tiny",
-         "gemma3": "gemma3-tiny"}
+         "gemma3": "gemma3-tiny", "phi3": "phi3-tiny"}
 ARCHS = sorted(registry.ARCHITECTURES)
 
 

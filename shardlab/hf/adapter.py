@@ -31,21 +31,50 @@ STACKED = "*"
 
 @dataclasses.dataclass(frozen=True)
 class Mapping:
-  """One shardlab param ↔ one HF tensor. `hf_dims` spells each HF dim as the param letters
-  it flattens (outermost first): q_proj.weight is (H·E, D) = ("HE", "D"), the param
-  q_DxHxE is "DHE". A name with {i} is per layer, stacked on the param's leading axis.
-  The letters' sizes come from Adapter.sizes."""
+  """One shardlab param ↔ one HF tensor, or its part of a fused one. `hf_dims` spells each
+  HF dim as the param letters it flattens (outermost first): q_proj.weight is (H·E, D) =
+  ("HE", "D"), the param q_DxHxE is "DHE". A name with {i} is per layer, stacked on the
+  param's leading axis. The letters' sizes come from Adapter.sizes.
+
+  A fused HF tensor holds several params side by side along its dim `axis` (Phi-3's
+  qkv_proj: the rows of q, then k, then v): `parts` spells each one's extent on that dim, in
+  order, as hf_dims spells a dim, and `part` is this param's; its own hf_dims are its part's.
+  () : the tensor is this param's alone. `fuse` sets them; import splits the tensor, export
+  concatenates it."""
   param: tuple[str, ...]
   hf: str
   hf_dims: tuple[str, ...]
   dims: str
+  parts: tuple[str, ...] = ()
+  part: int = 0
+  axis: int = 0
 
   @property
   def stacked(self) -> bool:
     return LAYER in self.hf
 
+  @property
+  def fused(self) -> bool:
+    return bool(self.parts)
+
   def hf_names(self, n_layers: int) -> list[str]:
     return [self.hf.format(i=i) for i in range(n_layers)] if self.stacked else [self.hf]
+
+
+def fuse(*mappings: Mapping, axis: int = 0) -> list[Mapping]:
+  """`mappings` (one HF name, written as if each param had the tensor to itself) as the
+  parts, in order, of one HF tensor concatenated along its dim `axis`: Phi-3's qkv_proj is
+  fuse(q's, k's, v's), its gate_up_proj fuse(gate's, up's). The other dims must agree."""
+  first = mappings[0]
+  others = lambda m: m.hf_dims[:axis] + m.hf_dims[axis + 1:]
+  for m in mappings:
+    if m.hf != first.hf or not 0 <= axis < len(m.hf_dims) or others(m) != others(first):
+      raise ConfigError(f"cannot fuse {m.param} ({m.hf}, dims {m.hf_dims}) with "
+                        f"{first.param} ({first.hf}, dims {first.hf_dims}) along dim {axis}: "
+                        f"one HF name, and the same dims but for dim {axis}")
+  parts = tuple(m.hf_dims[axis] for m in mappings)
+  return [dataclasses.replace(m, parts=parts, part=k, axis=axis)
+          for k, m in enumerate(mappings)]
 
 
 class Adapter:

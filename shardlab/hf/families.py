@@ -1,5 +1,5 @@
 """The bundled families' adapters, and the lookups over every registered adapter: importing
-this module registers llama's, Mixtral's, Qwen's, Mistral's and Gemma's (a user's family
+this module registers llama's, Mixtral's, Qwen's, Mistral's, Gemma's and GPT-2's (a user's family
 registers by importing its own adapter file, as its model file registers its config).
 
 Import reads an HF config.json: the adapter that claims it (a variant that narrows a base's
@@ -9,13 +9,13 @@ adapter registered for its arch.
 
 from shardlab.errors import ConfigError
 from shardlab.hf import llama, mixtral, qwen2, qwen3
-from shardlab.hf import gemma, mistral  # after them: llama's and Mixtral's list first
+from shardlab.hf import gemma, gpt2, mistral, phi3  # after them: llama's and Mixtral's list first
 from shardlab.hf.adapter import ADAPTERS, CONFIG_FILE, Adapter
 
 # Importing their files registered them (in this order: the error lists llama's first).
 BUNDLED = (llama.LlamaAdapter, mixtral.MixtralAdapter, qwen2.Qwen2Adapter,
            qwen3.Qwen3Adapter, qwen3.Qwen3MoeAdapter, mistral.MistralAdapter,
-           gemma.Gemma2Adapter, gemma.Gemma3Adapter)
+           gemma.Gemma2Adapter, gemma.Gemma3Adapter, gpt2.GPT2Adapter, phi3.Phi3Adapter)
 
 
 def supported() -> str:

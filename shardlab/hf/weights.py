@@ -6,7 +6,8 @@ Import builds every param with jax.make_array_from_callback on its target shardi
 device's callback reads only its own box of the HF tensors (layer by layer for the stacked
 `blocks`), so the whole model is never in one host's memory and each process reads only
 the shards its devices hold. Export fetches one layer of one param at a time and streams
-it into safetensors files.
+it into safetensors files. A fused HF tensor (several params side by side, Phi-3's qkv_proj)
+is split on import, each param reading only its part, and concatenated again on export.
 """
 
 import json
@@ -29,20 +30,34 @@ PREFIX = "hf:"  # --init-from hf:HF_DIR
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers some older checkpoints carry
 
 
+def _extent(group: str, size: dict[str, int]) -> int:
+  return math.prod(size[c] for c in group)
+
+
 def hf_shape(mapping: Mapping, size: dict[str, int]) -> tuple[int, ...]:
-  return tuple(math.prod(size[c] for c in group) for group in mapping.hf_dims)
+  """The whole HF tensor's shape (every part of a fused one)."""
+  shape = [_extent(group, size) for group in mapping.hf_dims]
+  if mapping.fused:
+    shape[mapping.axis] = sum(_extent(group, size) for group in mapping.parts)
+  return tuple(shape)
+
+
+def part_start(mapping: Mapping, size: dict[str, int]) -> int:
+  """Where the param's part of a fused HF tensor starts along its `axis` (0: not fused)."""
+  return sum(_extent(group, size) for group in mapping.parts[:mapping.part])
 
 
 def read_box(reader: hf_files.Reader, name: str, mapping: Mapping, size: dict[str, int],
              box: dict[str, slice]) -> np.ndarray:
-  """The box of param letters `box` (unit-step slices) cut from HF tensor `name`, in the
-  param's dim order. Only the outer letter of each flattened HF dim narrows the read; inner
-  letters are cut after the reshape."""
+  """The box of param letters `box` (unit-step slices) cut from HF tensor `name` (from the
+  param's part of it, if fused), in the param's dim order. Only the outer letter of each
+  flattened HF dim narrows the read; inner letters are cut after the reshape."""
   hf_box, shape, inner = [], [], []
-  for group in mapping.hf_dims:
-    outer = box[group[0]]
+  start = part_start(mapping, size)
+  for k, group in enumerate(mapping.hf_dims):
+    outer, at = box[group[0]], start if k == mapping.axis else 0
     rest = math.prod(size[c] for c in group[1:])
-    hf_box.append(slice(outer.start * rest, outer.stop * rest))
+    hf_box.append(slice(at + outer.start * rest, at + outer.stop * rest))
     shape += [outer.stop - outer.start] + [size[c] for c in group[1:]]
     inner += [slice(None)] + [box[c] for c in group[1:]]
   block = reader.read(name, tuple(hf_box)).reshape(shape)[tuple(inner)]
@@ -72,14 +87,33 @@ def _set(tree: dict, path: tuple[str, ...], value) -> None:
   tree[path[-1]] = value
 
 
+def tensor_table(family: Adapter, m) -> dict[str, list[Mapping]]:
+  """HF name (as the table spells it) -> the mappings that make the tensor: one param's, or
+  every part of a fused one, in order. A table that leaves a fused tensor's part unmapped,
+  or maps one tensor twice, is the adapter's mistake: refused, never written half-filled."""
+  table: dict[str, list[Mapping]] = {}
+  for mapping in family.tensors(m):
+    table.setdefault(mapping.hf, []).append(mapping)
+  for name, group in table.items():
+    group.sort(key=lambda g: g.part)
+    first = group[0]
+    if [(g.parts, g.axis, g.part) for g in group] != [
+        (first.parts, first.axis, k) for k in range(max(len(first.parts), 1))]:
+      raise ConfigError(
+          f"{type(family).__name__}.tensors maps {name} to "
+          f"{', '.join('.'.join(g.param) for g in group)}: an HF tensor is one param's, or "
+          f"fused from each of its parts once (shardlab.hf.adapter.fuse)")
+  return table
+
+
 def check_tensors(reader: hf_files.Reader, m, hf_dir, family: Adapter | None = None) -> None:
   """Every tensor the model needs is there with the shape config.json implies, and nothing
   is left over (a leftover would mean weights this model would silently drop)."""
   family = family or families.for_model(m)
   size, expected = family.sizes(m), {}
-  for mapping in family.tensors(m):
-    for name in mapping.hf_names(m.n_layers):
-      expected[name] = hf_shape(mapping, size)
+  for group in tensor_table(family, m).values():
+    for name in group[0].hf_names(m.n_layers):
+      expected[name] = hf_shape(group[0], size)
   problems = [f"  {name}: missing" for name in expected if name not in reader.tensors]
   problems += [f"  {name}: shape {reader.tensors[name].shape} in "
                f"{reader.tensors[name].file.name}, but config.json implies {shape}"
@@ -141,20 +175,23 @@ def export_params(params, model, hf_dir: str | Path, dtype: str = "float32",
   out.mkdir(parents=True, exist_ok=True)
   family = families.for_model(model)
   size, entries, sources = family.sizes(model), [], {}
-  for mapping in family.tensors(model):
-    for layer, name in enumerate(mapping.hf_names(model.n_layers)):
-      shape, layer = hf_shape(mapping, size), layer if mapping.stacked else None
+  for group in tensor_table(family, model).values():
+    for layer, name in enumerate(group[0].hf_names(model.n_layers)):
+      shape, layer = hf_shape(group[0], size), layer if group[0].stacked else None
       for expert in range(shape[0]) if STACKED in name else (None,):
         entry = name if expert is None else name.replace(STACKED, str(expert))
         entries.append((entry, np_dtype, shape if expert is None else shape[1:]))
-        sources[entry] = (mapping, layer, expert)
+        sources[entry] = (group, layer, expert)
 
   def produce(name: str) -> np.ndarray:
-    mapping, layer, expert = sources[name]
-    value = _at(params, mapping.param)
-    if layer is not None:
-      value = _layer(value, layer)
-    value = to_hf_layout(np.asarray(jax.device_get(value)), mapping)
+    group, layer, expert = sources[name]
+    parts = []
+    for mapping in group:  # a fused tensor: its params concatenated (one layer of each)
+      value = _at(params, mapping.param)
+      if layer is not None:
+        value = _layer(value, layer)
+      parts.append(to_hf_layout(np.asarray(jax.device_get(value)), mapping))
+    value = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=group[0].axis)
     return (value if expert is None else value[expert]).astype(np_dtype)
 
   nbytes = {n: math.prod(s) * d.itemsize for n, d, s in entries}
