@@ -8,7 +8,8 @@ import json
 import sys
 
 from shardlab import config as config_lib
-from shardlab.cli.plan_render import render, to_json
+from shardlab.cli.args import DefaultsHelp, Given, given
+from shardlab.cli.plan_render import fewest_line, render, to_json
 from shardlab.errors import ConfigError
 from shardlab.plan.auto import choice as plan_auto
 from shardlab.plan.auto import layout as auto_layout
@@ -21,10 +22,11 @@ from shardlab.sharding import mesh as mesh_lib
 
 # The mode flags that became subcommands: refused with the command to use instead.
 OLD_FLAGS = {"--inference": "serve", "--longest-context": "longest-context"}
-HELP = argparse.ArgumentDefaultsHelpFormatter
+HELP = DefaultsHelp
+FEWEST = "unset (with no --mesh): the fewest devices of --target that fit"
 
 
-def _add_request(p: argparse.ArgumentParser) -> None:
+def _add_request(p: argparse.ArgumentParser, devices_help: str = FEWEST) -> None:
   """The training request's options; defaults are the planner's run (PLANNER_TRAIN)."""
   t = plan_lib.PLANNER_TRAIN
   p.add_argument("--model", default="llama2-7b", help="preset name (models/presets/) or TOML")
@@ -37,10 +39,13 @@ def _add_request(p: argparse.ArgumentParser) -> None:
   p.add_argument("--remat", default=t.remat, help="none | full | save-matmul-outputs | offload")
   p.add_argument("--microbatches", type=int, default=t.microbatches,
                  help="gradient accumulation steps")
-  p.add_argument("--strategy", default="fsdp", help=" | ".join(plan_lib.STRATEGIES))
+  p.add_argument("--strategy", default="fsdp", action=Given,
+                 help=" | ".join(plan_lib.STRATEGIES) + "; with neither --devices nor --mesh, "
+                      "unset means any: the one that fits on the fewest devices")
   p.add_argument("--mesh", help="preset (meshes/), TOML file, or inline 'data:2,fsdp:-1'")
-  p.add_argument("--devices", type=int, help="device count (sizes a -1 mesh axis, or picks "
-                                              "the strategy's usual mesh)")
+  p.add_argument("--devices", type=int,
+                 help=f"device count (sizes a -1 mesh axis, or picks the strategy's usual "
+                      f"mesh); {devices_help}")
   p.add_argument("--target", help=f"{' | '.join(hardware.names())} (unset: the mesh preset's "
                                   f"accelerator, else h100-80g)")
   p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -86,7 +91,7 @@ def longest_context_parser(prog: str = "shardlab plan longest-context"):
                   "(fsdp or fsdp_tp_sp layouts), with its fastest layout.",
       epilog="Example: shardlab plan longest-context --model llama3-70b --target tpu-v5p "
              "--devices 64 --global-batch 8")
-  _add_request(p)
+  _add_request(p, devices_help="required here")
   p.add_argument("--attention", choices=("xla", "flash", "auto"),
                  help="the model's attention implementation (unset: the model's own)")
   p.add_argument("--kv-exchange", choices=("all-gather", "ring"),
@@ -166,7 +171,41 @@ def _run(args, command) -> int:
     return 2
 
 
+def fewest_devices(req: plan_lib.Request, any_strategy: bool = True):
+  """The seed question, "how many devices does it need": the fewest devices of req.target
+  on which some mesh fits (of req.strategy only, unless `any_strategy`), found by the
+  planner's own min_devices (pipelines aside), and the request placed there: (request,
+  row). Where nothing fits, (the request on 1 device, None): plan() then says what would."""
+  mins, _ = plan_lib.min_devices(req, req.model_config(), hardware.get(req.target))
+  row = mins["overall"]
+  if not any_strategy:
+    row = mins[req.strategy] and {**mins[req.strategy], "strategy": req.strategy}
+  if row is None and mins["overall"] is not None:
+    o = mins["overall"]
+    raise ConfigError(f"strategy {req.strategy!r} fits on no count of {req.target} up to "
+                      f"{plan_lib.MAX_DEVICES}; {o['strategy']} fits on {o['devices']} "
+                      f"({o['mesh']}): leave --strategy out, or give --devices")
+  if row is None:
+    return dataclasses.replace(req, devices=1), None  # plan() names what it would take
+  return dataclasses.replace(req, strategy=row["strategy"], devices=row["devices"],
+                             mesh=inline_mesh(row["mesh"])), row
+
+
+def inline_mesh(described: str) -> str:
+  """An estimate's mesh ("data=1×2dcn fsdp=8 tensor=1") as an inline mesh
+  ("data:1,dcn.data:2,fsdp:8,tensor:1")."""
+  parts = []
+  for item in described.split():
+    axis, _, sizes = item.partition("=")
+    ici, _, dcn = sizes.removesuffix("dcn").partition("×")
+    parts += [f"{axis}:{ici}"] + ([f"dcn.{axis}:{dcn}"] if dcn else [])
+  return ",".join(parts)
+
+
 def _train(req: plan_lib.Request, args) -> int:
+  fewest = None
+  if req.devices is None and req.mesh is None:
+    req, fewest = fewest_devices(req, any_strategy=not given(args, "strategy"))
   # The planner never runs on an accelerator: CPU (simulated devices for --compile) and
   # compile-only TPU topologies. Chosen before any JAX backend starts.
   where = plan_compile.where(req, args.compile_on) if args.compile else ()
@@ -186,11 +225,12 @@ def _train(req: plan_lib.Request, args) -> int:
     plan_plot.write(result, args.plot)
     print(f"wrote {args.plot}", file=sys.stderr)
   if args.json:
-    out = to_json(result, args.top)
+    out = to_json(result, args.top) | ({"fewest_devices": fewest} if fewest else {})
     print(json.dumps(out if choice is None else {**out, "compiled_search": choice.as_dict()},
                      indent=2))
   else:
-    print(render(result, args.top) +
+    print(("" if fewest is None else fewest_line(fewest, result) + "\n\n") +
+          render(result, args.top) +
           ("" if choice is None else "\n\n" + "\n".join(plan_auto.render(choice))))
   return 0
 

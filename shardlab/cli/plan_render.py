@@ -29,6 +29,14 @@ def to_json(result, top: int) -> dict:
   }
 
 
+def fewest_line(row: dict, result) -> str:
+  """The answer to "how many devices does it need" (no --devices or --mesh given)."""
+  t = result.request.train
+  return (f"devices   {row['devices']} {result.target.name}: the fewest on which it fits at "
+          f"{t.microbatches} microbatch(es) ({row['strategy']}: {row['mesh']}); the plan "
+          f"there follows (--devices N plans another count)")
+
+
 def _estimate_json(e) -> dict:
   d = {k: v for k, v in dataclasses.asdict(e).items() if k != "memory"}
   d.update(memory=e.memory.as_dict(), fits=e.fits, headroom=e.headroom)

@@ -7,7 +7,9 @@ import json
 import sys
 
 from shardlab import generate
+from shardlab.cli.args import DefaultsHelp
 from shardlab.errors import ConfigError
+from shardlab.models import registry
 from shardlab.plan.compiled import aot
 from shardlab.plan.serving import terms as inf
 from shardlab.plan.compiled import decode_step as inf_compile
@@ -19,7 +21,7 @@ from shardlab.training import run as run_lib
 
 def parser(prog: str = "shardlab plan serve") -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
-      prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+      prog=prog, formatter_class=DefaultsHelp,
       description="Per-device memory (weights, KV cache, step temporaries), fit, the fewest "
                   "devices per layout and roofline prefill and decode speeds for serving a "
                   "model.",
@@ -28,8 +30,10 @@ def parser(prog: str = "shardlab plan serve") -> argparse.ArgumentParser:
   p.add_argument("--model", default="llama3-70b", help="preset name or TOML model file")
   p.add_argument("--target", default="h100-80g", help=" | ".join(hardware.names()))
   p.add_argument("--batch", type=int, default=1, help="sequences decoded together")
-  p.add_argument("--context", type=int, default=8192,
-                 help="tokens per sequence the cache holds (prompt + generated)")
+  p.add_argument("--context", type=int,
+                 help="tokens per sequence the cache holds (prompt + generated); unset: the "
+                      "model's max_seq_len (llama3-70b: 8192), the most generate runs, and "
+                      "so the most this takes")
   p.add_argument("--weights", default="bf16", help=" | ".join(inf.WEIGHT_BYTES))
   p.add_argument("--kv-dtype", default="bf16", help=" | ".join(inf.KV_BYTES))
   p.add_argument("--prefill-batch", type=int, default=1,
@@ -49,9 +53,25 @@ def parser(prog: str = "shardlab plan serve") -> argparse.ArgumentParser:
   return p
 
 
+def context(model_name: str, asked: int | None) -> int:
+  """--context, by default the model's max_seq_len. Generate refuses a prompt plus new
+  tokens past max_seq_len (the model was not trained past it), so a plan for more is
+  refused."""
+  model = registry.load(model_name)
+  if asked is None:
+    return model.max_seq_len
+  if asked > model.max_seq_len:
+    raise ConfigError(f"--context {asked} exceeds model.max_seq_len ({model.max_seq_len}) of "
+                      f"{model.name}: generate refuses a prompt plus new tokens past it; plan "
+                      f"--context {model.max_seq_len} or less, or a model TOML whose "
+                      f"max_seq_len is larger (model.rope_scaling stretches RoPE)")
+  return asked
+
+
 def request(args) -> inf.Request:
   return inf.Request(model=args.model, target=args.target, batch=args.batch,
-                     context=args.context, weights=args.weights, kv_dtype=args.kv_dtype,
+                     context=context(args.model, args.context), weights=args.weights,
+                     kv_dtype=args.kv_dtype,
                      prefill_batch=args.prefill_batch, prefill_chunk=args.prefill_chunk,
                      devices=args.devices, mesh=args.mesh)
 

@@ -14,6 +14,7 @@ from shardlab import generate
 import shardlab.cli.text as text
 from shardlab.cli.args import (add_model_mesh_strategy, add_overrides, add_simulate_devices,
                                cpu_entry_point, load_config, setup_devices)
+import shardlab.cli.run_config as run_config
 from shardlab.cli.auto import add_auto_args, resolve_auto
 from shardlab.errors import ConfigError
 from shardlab.hf import weights as hf
@@ -31,7 +32,14 @@ def train_parser(prog: str = "train.py") -> argparse.ArgumentParser:
       prog=prog, description="Train a bundled model on a named device mesh.",
       epilog="Example: python train.py --model tiny --mesh data:1,fsdp:-1,tensor:2 "
              "--strategy fsdp_tp --steps 300 --set train.lr=1e-3")
+  p.add_argument("--config", metavar="FILE.toml",
+                 help="a run config: the config's sections and keys (model, mesh, strategy, "
+                      "[train], [data], [checkpoint], ...) as TOML; flags given override it. "
+                      f"Every --run-dir gets the resolved one ({run_config.RESOLVED}), which "
+                      "reruns the run")
   add_model_mesh_strategy(p)
+  # Unset (None) unless given, so that a default never overrides the --config file's value.
+  p.set_defaults(model=None, mesh=None, strategy=None)
   p.add_argument("--steps", type=int, help="optimizer steps (train.steps)")
   p.add_argument("--seed", type=int, help="init and data seed (train.seed)")
   p.add_argument("--precision", help="auto | fp32 | bf16 | bf16-params (train.precision)")
@@ -94,12 +102,14 @@ def config_from_args(args):
 
 
 def _config_from_args(args):
+  """Defaults < --config < the flags given < --set: each flag sets one Config field."""
   return load_config(args.model, args.mesh, args.strategy, args.overrides, {
       "metrics_file": args.metrics_file, "run_dir": args.run_dir,
       "profile_steps": args.profile_steps, "train.steps": args.steps,
       "train.seed": args.seed, "train.precision": args.precision,
       "train.eval_every": args.eval_every, "train.eval_batches": args.eval_batches,
-      "checkpoint.dir": args.checkpoint_dir, "checkpoint.init_from": args.init_from})
+      "checkpoint.dir": args.checkpoint_dir, "checkpoint.init_from": args.init_from},
+      config_file=args.config)
 
 
 def sampler(max_new_tokens: int, prompt: str = SAMPLE_PROMPT):
@@ -172,6 +182,8 @@ def _train(args, argv, where: dict) -> int:
     cfg = resolve_auto(config_from_args(args), args, args.fresh,
                        say=(lambda text: None) if args.quiet else None)
     where["checkpoint_dir"] = cfg.checkpoint.dir
+    if cfg.run_dir and distributed.is_leader():  # as resolved: auto layouts and all
+      run_config.write(cfg, cfg.run_dir)
     loop.train(cfg, quiet=args.quiet, fresh=args.fresh, overwrite=args.overwrite,
                stop_after=args.stop_after, param_sources={"hf": hf_params},
                on_finish=sampler(args.sample_tokens),
