@@ -7,6 +7,7 @@ from shardlab.cli import convert as convert_cli
 from shardlab.cli import data as data_cli
 from shardlab.cli import explain as explain_cli
 from shardlab.cli import generate as generate_cli
+from shardlab.cli import goodput as goodput_cli
 from shardlab.cli import inspect as inspect_cli
 from shardlab.cli import plan as plan_cli
 from shardlab.cli.args import cpu_entry_point
@@ -23,6 +24,7 @@ COMMANDS = {"train": train_main, "plan": plan_cli.plan_main, "launch": launch_ma
             "convert": convert_cli.convert_main, "inspect": inspect_cli.inspect_main,
             "generate": generate_cli.generate_main, "data": data_cli.data_main,
             "explain": explain_cli.explain_main}
+COMMANDS["goodput"] = goodput_cli.goodput_main
 
 
 def main(argv=None) -> int:

@@ -9,7 +9,9 @@ Two kinds, picked by the data config (`feed(...)`):
               saved in the checkpoint's progress so a resume continues exactly there (also
               when train.global_batch changed under --allow-config-change).
 Each process builds only its own rows of a global batch (process_rows) and hands them to
-jax.make_array_from_process_local_data.
+jax.make_array_from_process_local_data. The position is global (a step, or rows), never a
+process's own count: a resume on another process count or mesh, with the same global batch,
+reads the same batches, each process its block of them (tests/test_restart_resize.py).
 """
 
 import queue

@@ -1,5 +1,6 @@
 """The training loop: set up a run from a Config, train, checkpoint, report held-out loss."""
 
+import contextlib
 import time
 from typing import Callable
 
@@ -8,13 +9,13 @@ import jax
 from shardlab import config as config_lib
 from shardlab.config import Config
 from shardlab.errors import ConfigError
-from shardlab.observe import plots, profiling, step_report, throughput
+from shardlab.observe import goodput, profiling, step_report, throughput
 from shardlab.observe.progress import Activity, Progress
 from shardlab.runtime import distributed
 from shardlab.sharding import idle
 from shardlab.training import checkpoint, schedule
 from shardlab.training.preemption import StopRequest
-from shardlab.training.reporting import Logger, RunPaths, run_paths
+from shardlab.training.reporting import Logger, finish, nothing_to_train, report_end, run_paths
 from shardlab.training.nonfinite import NonFiniteGuard, last_good
 from shardlab.training.run import Run, completed, init
 from shardlab.training.run import resume_check, setup
@@ -51,13 +52,14 @@ def compiled_report(run: Run, state, first_batch) -> tuple[object, step_report.S
 
 
 def _start_state(run: Run, ckpt, progress: Progress, sources: ParamSources,
-                 allow_config_change: bool = False):
+                 allow_config_change: bool, clock: goodput.Clock):
   """(state, first step, skipped steps, saved progress or None): resumed from `ckpt`, or
   fresh (params from init_from if set)."""
   if ckpt is not None and ckpt.latest_step() is not None:
-    state, saved = ckpt.restore(run.abstract, run.shardings, warn=progress.message,
-                                check_config=resume_check(run.cfg, allow_config_change,
-                                                          progress.message))
+    with clock.phase("restore"):
+      state, saved = ckpt.restore(run.abstract, run.shardings, warn=progress.message,
+                                  check_config=resume_check(run.cfg, allow_config_change,
+                                                            progress.message))
     progress.message(f"resuming from the checkpoint at step {saved['step']} in {ckpt.directory}")
     return state, int(saved["step"]), int(saved.get("skipped_steps", 0)), saved
   state = init(run)
@@ -68,27 +70,32 @@ def _start_state(run: Run, ckpt, progress: Progress, sources: ParamSources,
       params, step = sources[prefix](run), 0
     else:
       strict = "checkpoint.strict" if run.cfg.checkpoint.strict else None
-      params, step = checkpoint.restore_params(source, run.abstract, run.shardings, strict,
-                                               progress.message)
+      with clock.phase("restore"):
+        params, step = checkpoint.restore_params(source, run.abstract, run.shardings, strict,
+                                                 progress.message)
     state = state.replace(params=completed(params, state.params, run.abstract, source))
     progress.message(f"initialised params from {source} (step {step}); fresh optimizer state")
   return state, 0, 0, None
 
 
 def _loop(run: Run, compiled, state, first_step, inputs, ckpt, logger, profile,
-          stop_after, guard: NonFiniteGuard):
+          stop_after, guard: NonFiniteGuard, ledger: goodput.Ledger):
   """Steps until the last (or a stop); returns (state, steps done, signal name or None,
   skipped steps). The non-finite counts are fetched only at log steps and before saves
-  (there they cost no extra wait), so no checkpoint is written after a non-finite step."""
+  (there they cost no extra wait), so no checkpoint is written after a non-finite step.
+  Its time is productive but for the waits for data, the blocking part of saves and the
+  evaluations (goodput phases); the fetches that end a step's wait stay productive."""
   t, config_json, done = run.cfg.train, config_lib.to_dict(run.cfg), first_step
+  clock = ledger.clock
   counts = guard.fetch()
-  with StopRequest() as stop:
+  with StopRequest() as stop, clock.phase("productive"):
     for step in range(first_step, t.steps):
-      x = inputs.get(step)
+      with clock.phase("data_wait"):
+        x = inputs.get(step)
       profile.before(step)
       state, metrics = compiled(state, x)
       guard.after_step(metrics)
-      done = step + 1
+      done = clock.last_step = step + 1
       profile.after(done, state)
       stopping = stop.due(done) or (stop_after and done - first_step >= stop_after)
       saving = ckpt is not None and ckpt.due(done, bool(stopping) or done == t.steps)
@@ -96,22 +103,29 @@ def _loop(run: Run, compiled, state, first_step, inputs, ckpt, logger, profile,
         counts = guard.fetch()
         if logger.due(done):
           logger.log(done, metrics, counts)
+          ledger.update()
         guard.check(counts, lambda: last_good(ckpt))
         if ckpt is not None:
-          ckpt.check()  # a save that failed in the background ends the run now
+          with clock.phase("checkpoint"):
+            ckpt.check()  # a save that failed in the background ends the run now
       if saving:
-        ckpt.save(state, config_json, _progress(run, done, counts["bad"]), force=True)
+        with clock.phase("checkpoint"):
+          ckpt.save(state, config_json, _progress(run, done, counts["bad"]), force=True)
       if t.eval_every and done % t.eval_every == 0 and done < t.steps:
-        _evaluate(run, state, done, logger)
+        jax.block_until_ready(state)  # the step's own time stays productive
+        with clock.phase("eval"):
+          _evaluate(run, state, done, logger)
       if stopping:
         break
     if ckpt is not None:
-      ckpt.wait()
+      with clock.phase("checkpoint"):
+        ckpt.wait()
   return state, done, stop.signal_name, counts["bad"]
 
 
-def _compile(run: Run, state, first_batch, progress: Progress, start: float):
-  with Activity("compiling the train step", progress):
+def _compile(run: Run, state, first_batch, progress: Progress, start: float,
+             clock: goodput.Clock):
+  with Activity("compiling the train step", progress), clock.phase("compile"):
     compiled, report = compiled_report(run, state, first_batch)
   progress.message(f"compiled the train step in {time.perf_counter() - start:.1f} s")
   progress.message("\n".join(step_report.render(report)))
@@ -130,10 +144,62 @@ def train(cfg: Config, quiet: bool = False, fresh: bool = False, overwrite: bool
   and resuming checkpoints when `cfg.checkpoint.dir` is set; returns a summary. A finished
   run reports its held-out loss, then `on_finish(run, state, progress)` adds to it. A resume
   refuses changed settings (config.RESUME_FIELDS) unless `allow_config_change`; a
-  non-finite step raises NonFiniteError (train.nonfinite)."""
+  non-finite step raises NonFiniteError (train.nonfinite). Its wall time up to the summary
+  is split into goodput phases (observe/goodput.py), kept in run_dir across restarts."""
+  clock = goodput.Clock()
+  # Without a checkpoint directory (or with --fresh) nothing earlier is continued.
+  ledger = goodput.Ledger(cfg.run_dir if distributed.is_leader() else None, clock,
+                          new_run=fresh or not cfg.checkpoint.dir)
   paths = run_paths(cfg)
   profile = profiling.Window(profiling.parse_steps(cfg.profile_steps, cfg.train.steps),
                              paths.profile)
+  run, progress, ckpt = _set_up(cfg, quiet, fresh, overwrite)
+  start = time.perf_counter()
+  state, first_step, skipped, saved = _start_or_close(
+      run, ckpt, progress, param_sources or {}, allow_config_change, clock)
+  clock.first_step = clock.last_step = first_step
+  if first_step >= cfg.train.steps:
+    return nothing_to_train(cfg, first_step, progress, ckpt, ledger)
+  inputs = run.inputs(first_step, saved)
+  with clock.phase("data_wait"):
+    first_batch = inputs.peek(first_step)
+  compiled, report, rates = _compile(run, state, first_batch, progress, start, clock)
+  ledger.update(force=True)
+  logger = Logger(cfg, paths, progress, rates, first_step, inputs)
+  guard = NonFiniteGuard(cfg.train, run.mesh, first_step, skipped)
+  logger.skipped = skipped  # a resumed run warns only about steps it skips itself
+  try:
+    state, done, signal, skipped = _loop(run, compiled, state, first_step, inputs, ckpt,
+                                         logger, profile, stop_after, guard, ledger)
+  except BaseException as error:
+    logger.file.close()
+    with contextlib.suppress(OSError):  # the error, not a full disk here, is the news
+      ledger.end("interrupted" if isinstance(error, KeyboardInterrupt) else "error")
+    raise
+  finally:
+    inputs.close()
+    progress.close()
+    profile.stop(state)
+    if ckpt is not None:
+      with clock.phase("checkpoint"):
+        ckpt.close()
+  # The metrics file stays open for the goodput and the final held-out loss.
+  summary = finish(run, state, done - first_step, done, signal, logger, progress, paths,
+                   ledger)
+  logger.file.close()
+  summary["compiled"] = report.as_dict()
+  if cfg.train.nonfinite == "skip":
+    summary["skipped_steps"] = skipped
+  if ckpt is not None:
+    summary["checkpoint"] = f"; checkpoint saved at step {done} in {ckpt.directory}"
+  report_end(run, summary, profile, progress, start)
+  if "held_out_loss" in summary and on_finish is not None:
+    summary.update(on_finish(run, state, progress))
+  return summary
+
+
+def _set_up(cfg: Config, quiet: bool, fresh: bool, overwrite: bool):
+  """(run, progress bar, Checkpointer or None), the checkpoint directory checked first."""
   if cfg.checkpoint.dir:
     checkpoint.prepare(cfg.checkpoint.dir, fresh, overwrite)
   elif fresh or overwrite:
@@ -143,107 +209,19 @@ def train(cfg: Config, quiet: bool = False, fresh: bool = False, overwrite: bool
   progress.message(describe(run))
   for line in idle.warnings(run.shardings.rules, dict(run.mesh.shape)):
     progress.message(line)
-  ckpt = checkpoint.Checkpointer(cfg.checkpoint) if cfg.checkpoint.dir else None
-  start = time.perf_counter()
-  state, first_step, skipped, saved = _start_or_close(run, ckpt, progress,
-                                                      param_sources or {}, allow_config_change)
-  if first_step >= cfg.train.steps:
-    return _nothing_to_train(cfg, first_step, progress, ckpt)
-  inputs = run.inputs(first_step, saved)
-  compiled, report, rates = _compile(run, state, inputs.peek(first_step), progress, start)
-  logger = Logger(cfg, paths, progress, rates, first_step, inputs)
-  guard = NonFiniteGuard(cfg.train, run.mesh, first_step, skipped)
-  logger.skipped = skipped  # a resumed run warns only about steps it skips itself
-  try:
-    state, done, signal, skipped = _loop(run, compiled, state, first_step, inputs, ckpt,
-                                         logger, profile, stop_after, guard)
-  except BaseException:
-    logger.file.close()
-    raise
-  finally:
-    inputs.close()
-    progress.close()
-    profile.stop(state)
-    if ckpt is not None:
-      ckpt.close()
-  # The metrics file stays open for the final held-out loss.
-  summary = _finish(run, state, done - first_step, done, signal, logger, progress, paths)
-  logger.file.close()
-  summary["compiled"] = report.as_dict()
-  if cfg.train.nonfinite == "skip":
-    summary["skipped_steps"] = skipped
-  if ckpt is not None:
-    summary["checkpoint"] = f"; checkpoint saved at step {done} in {ckpt.directory}"
-  _report_end(run, summary, profile, progress, start)
-  if "held_out_loss" in summary and on_finish is not None:
-    summary.update(on_finish(run, state, progress))
-  return summary
+  return run, progress, checkpoint.Checkpointer(cfg.checkpoint) if cfg.checkpoint.dir else None
 
 
-def _start_or_close(run: Run, ckpt, progress: Progress, sources: ParamSources, allow: bool):
+def _start_or_close(run: Run, ckpt, progress: Progress, sources: ParamSources, allow: bool,
+                    clock: goodput.Clock):
   """_start_state, closing the bar and the checkpointer if it refuses."""
   try:
-    return _start_state(run, ckpt, progress, sources, allow)
+    return _start_state(run, ckpt, progress, sources, allow, clock)
   except BaseException:
     progress.close()
     if ckpt is not None:
       ckpt.close()
     raise
-
-
-def _nothing_to_train(cfg: Config, step: int, progress: Progress, ckpt) -> dict:
-  """A resume whose checkpoint is already at (or past) train.steps: say so, train nothing."""
-  progress.message(f"checkpoint at step {step} already reached train.steps "
-                   f"{cfg.train.steps}: nothing to train (raise --steps to train further)")
-  progress.close()
-  if ckpt is not None:
-    ckpt.close()
-  return {"steps_done": step, "steps_this_run": 0, "stopped_by": None,
-          "nothing_to_train": True}
-
-
-def _finish(run: Run, state, ran: int, done: int, signal, logger: Logger,
-            progress: Progress, paths: RunPaths) -> dict:
-  record = logger.record
-  summary = {"steps_done": done, "final_loss": record.get("loss"),
-             "tokens_per_s": record.get("tokens_per_s"), "mfu": record.get("mfu"),
-             "tflops_per_device": record.get("tflops_per_device"), "stopped_by": signal,
-             "steps_this_run": ran}
-  if not signal and done >= run.cfg.train.steps:
-    summary["held_out_loss"] = run.held_out_loss(state.params)
-    summary["unigram_loss"] = run.feed.unigram_loss()
-    # The same record as train.eval_every's, so the JSONL and the plot end with it.
-    logger.file.write({"step": done, "eval_loss": summary["held_out_loss"]})
-    if logger.events:
-      logger.events.write({"step": done, "held_out_loss": summary["held_out_loss"]},
-                          prefix="eval/")
-  if logger.events:
-    logger.events.close()
-  cfg = run.cfg
-  if paths.plot and distributed.is_leader() and plots.write(
-      paths.metrics, paths.plot, f"{cfg.model.name} {cfg.strategy} on {cfg.mesh}",
-      run.feed.unit):
-    summary["plot"] = paths.plot
-    progress.message(f"plot of loss and throughput written to {paths.plot}")
-  return summary
-
-
-def _report_end(run: Run, summary: dict, profile, progress: Progress, start: float) -> None:
-  where = summary.pop("checkpoint", "")
-  if profile.written:
-    progress.message(f"profile of steps {profile.steps[0] + 1}-{profile.steps[1]} written to "
-                     f"{profile.written} (view: tensorboard --logdir {run.cfg.run_dir}, with "
-                     f"xprof installed)")
-  if summary["stopped_by"]:
-    progress.message(f"received {summary['stopped_by']}: stopped after step "
-                     f"{summary['steps_done']}{where}")
-  elif "held_out_loss" not in summary:
-    progress.message(f"stopped after {summary['steps_this_run']} steps (--stop-after){where}")
-  else:
-    summary["wall_s"] = time.perf_counter() - start
-    progress.message(f"held-out loss {summary['held_out_loss']:.4f} nats/{run.feed.unit} (unigram "
-                     f"baseline {summary['unigram_loss']:.4f}) after {run.cfg.train.steps} "
-                     f"steps in {summary['wall_s']:.0f} s{where}")
 
 
 def _evaluate(run: Run, state, done: int, logger: Logger) -> None:

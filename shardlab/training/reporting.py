@@ -1,5 +1,6 @@
-"""Where a run writes, and the logger of its steps: metrics JSONL, TensorBoard, progress bar
-(with the time each step waited for input), and held-out evaluations."""
+"""Where a run writes, the logger of its steps (metrics JSONL, TensorBoard, progress bar with
+the time each step waited for input, held-out evaluations), and the end of a run: its
+summary, plot and goodput (observe/goodput.py)."""
 
 import dataclasses
 import time
@@ -8,6 +9,7 @@ from pathlib import Path
 import jax
 
 from shardlab.config import Config
+from shardlab.observe import goodput, plots
 from shardlab.observe.metrics import EventWriter, MetricsWriter
 from shardlab.observe.progress import Progress
 from shardlab.runtime import distributed
@@ -77,3 +79,84 @@ class Logger:
     if self.events:
       self.events.write({"step": done, "held_out_loss": loss}, prefix="eval/")
     self.progress.message(f"step {done}: held-out loss {loss:.4f}")
+
+
+def nothing_to_train(cfg: Config, step: int, progress: Progress, ckpt,
+                     ledger: goodput.Ledger) -> dict:
+  """A resume whose checkpoint is already at (or past) train.steps: say so, train nothing."""
+  progress.message(f"checkpoint at step {step} already reached train.steps "
+                   f"{cfg.train.steps}: nothing to train (raise --steps to train further)")
+  progress.close()
+  if ckpt is not None:
+    ckpt.close()
+  return {"steps_done": step, "steps_this_run": 0, "stopped_by": None,
+          "nothing_to_train": True, "goodput": ledger.end("nothing to train").as_dict()}
+
+
+def finish(run, state, ran: int, done: int, signal, logger: Logger, progress: Progress,
+           paths: RunPaths, ledger: goodput.Ledger) -> dict:
+  """The end of a run (finished or stopped): the held-out loss if finished, the plot, and
+  the goodput, which closes the invocation's clock: its record goes to the metrics file
+  before the final held-out loss (the file's last line, as train.eval_every's losses)."""
+  record, clock = logger.record, ledger.clock
+  summary = {"steps_done": done, "final_loss": record.get("loss"),
+             "tokens_per_s": record.get("tokens_per_s"), "mfu": record.get("mfu"),
+             "tflops_per_device": record.get("tflops_per_device"), "stopped_by": signal,
+             "steps_this_run": ran}
+  final = []
+  if not signal and done >= run.cfg.train.steps:
+    with clock.phase("eval"):
+      summary["held_out_loss"] = run.held_out_loss(state.params)
+      summary["unigram_loss"] = run.feed.unigram_loss()
+    # The same record as train.eval_every's, so the JSONL and the plot end with it.
+    final = [{"step": done, "eval_loss": summary["held_out_loss"]}]
+  cfg = run.cfg
+  if paths.plot and distributed.is_leader() and _plot(
+      paths, final, f"{cfg.model.name} {cfg.strategy} on {cfg.mesh}", run.feed.unit):
+    summary["plot"] = paths.plot
+    progress.message(f"plot of loss and throughput written to {paths.plot}")
+  status = signal or ("finished" if final else "stopped")
+  good = ledger.end(status)
+  summary["goodput"], summary["goodput_line"] = good.as_dict(), good.line()
+  for line in [{"step": done, **good.metrics()}] + final:
+    logger.file.write(line)
+  if logger.events:
+    logger.events.write({"step": done, **good.scalars()}, prefix="goodput/")
+    if final:
+      logger.events.write({"step": done, "held_out_loss": summary["held_out_loss"]},
+                          prefix="eval/")
+    logger.events.close()
+  return summary
+
+
+def _plot(paths: RunPaths, final: list[dict], title: str, unit: str) -> bool:
+  """plot.png from the metrics file and the final held-out loss (not written yet: the
+  goodput record, which counts the plot's time, goes before it)."""
+  fig = plots.figure(plots.read_jsonl(paths.metrics) + final, title, unit)
+  if fig is None:
+    return False
+  import matplotlib.pyplot as plt
+  Path(paths.plot).parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(paths.plot, dpi=100)
+  plt.close(fig)
+  return True
+
+
+def report_end(run, summary: dict, profile, progress: Progress, start: float) -> None:
+  """The closing lines: where the checkpoint and profile are, the held-out loss, goodput."""
+  where = summary.pop("checkpoint", "")
+  if profile.written:
+    progress.message(f"profile of steps {profile.steps[0] + 1}-{profile.steps[1]} written to "
+                     f"{profile.written} (view: tensorboard --logdir {run.cfg.run_dir}, with "
+                     f"xprof installed)")
+  if summary["stopped_by"]:
+    progress.message(f"received {summary['stopped_by']}: stopped after step "
+                     f"{summary['steps_done']}{where}")
+  elif "held_out_loss" not in summary:
+    progress.message(f"stopped after {summary['steps_this_run']} steps (--stop-after){where}")
+  else:
+    summary["wall_s"] = time.perf_counter() - start
+    progress.message(f"held-out loss {summary['held_out_loss']:.4f} nats/{run.feed.unit} (unigram "
+                     f"baseline {summary['unigram_loss']:.4f}) after {run.cfg.train.steps} "
+                     f"steps in {summary['wall_s']:.0f} s{where}")
+  progress.message(summary.pop("goodput_line"))
