@@ -18,16 +18,34 @@ stacked_param = parallel.stacked_param
 
 @struct.dataclass
 class KVCache:
-  """Keys and values of every layer for `index` tokens so far, in buffers of length S."""
+  """Keys and values of every layer for `index` tokens so far, in buffers of length S. A
+  sliding-window layer's buffer is a ring (shardlab.parallel.attention.ring_attend):
+  position p in slot p mod S, S = min(window, length), so it holds the last S entries.
+  A model whose layers differ in window (Gemma's local and global layers) keeps its
+  windowed layers' rings in a stack of their own, `local_*` (None otherwise), and the
+  others, in order, in `k`/`v`."""
   k_NxBxSxKxE: jax.Array
   v_NxBxSxKxE: jax.Array
   index: jax.Array  # int32 scalar: the position the next token takes
+  local_k_NxBxWxKxE: jax.Array | None = None
+  local_v_NxBxWxKxE: jax.Array | None = None
 
   @classmethod
   def zeros(cls, n_layers: int, batch: int, length: int, kv_heads: int, head_dim: int,
-            dtype) -> "KVCache":
-    shape = (n_layers, batch, length, kv_heads, head_dim)
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+            dtype, local_layers: int = 0, window: int = 0) -> "KVCache":
+    """`n_layers` buffers of `length`, and `local_layers` rings of ring_length(window,
+    length) in the local stack (none: no local stack)."""
+    stack = lambda n, s: jnp.zeros((n, batch, s, kv_heads, head_dim), dtype)
+    w = ring_length(window, length)
+    local = (stack(local_layers, w), stack(local_layers, w)) if local_layers else ()
+    return cls(stack(n_layers, length), stack(n_layers, length), jnp.zeros((), jnp.int32),
+               *local)
+
+
+def ring_length(window: int | None, length: int) -> int:
+  """The cache entries a layer with this window (0 or None: none) needs for `length`
+  tokens: a ring of the window once the sequence is longer."""
+  return min(window, length) if window else length
 
 
 def causal_mask(length: int, cache: KVCache | None, start):

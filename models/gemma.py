@@ -13,7 +13,9 @@ the layers are scanned in groups of one period of the pattern (Gemma 2: local, g
 Gemma 3: five local, one global): each scan step runs the group's layers in order, each with
 its own static window and rope tables. Parameters stay stacked per layer (N, ...), as
 llama's, and are regrouped to (N/P, P, ...) at the call; a depth that is not a multiple of
-the period scans its last (local) layers as one more, shorter group.
+the period scans its last (local) layers as one more, shorter group. The KV cache keeps
+the local layers' rings of `window` entries and the global layers' whole-length buffers in
+two stacks (decoder.KVCache's local_* and k/v); each layer gets its slice of its kind's.
 Shape suffixes: B batch, L length, D d_model, H heads, E head_dim, F mlp, V vocab.
 """
 
@@ -131,46 +133,63 @@ class GemmaBlock(nnx.Module):
     return constrain(x, ACTIVATIONS["residual"]), layer_kv
 
 
-def scan_pattern(blocks, x_BxLxD, cache_kv, remat: str, unroll: int, windows: tuple,
+def scan_pattern(blocks, x_BxLxD, stacks, remat: str, unroll: int, windows: tuple,
                  local_args: tuple, global_args: tuple):
   """The stacked `blocks` in groups of one period of `windows` (each layer's static window;
-  None: a global layer), scanned over the groups; (x, the new key/value stacks or None)."""
+  None: a global layer), scanned over the groups; (x, the new key/value stacks or None).
+  `stacks`: the cache's {"local": (k, v), "global": (k, v)}, each stack holding its kind's
+  layers in order (a kind with no layer absent), or None without a cache."""
   n, period = jax.tree.leaves(nnx.state(blocks))[0].shape[0], len(windows)
+  kinds = [_kind(windows[i % period]) for i in range(n)]
   full = n - n % period
   parts = [(0, full, windows), (full, n, windows[:n - full])]
-  out_k, out_v = [], []
+  out = {kind: [] for kind in stacks or ()}
   for lo, hi, group in (p for p in parts if p[1] > p[0]):
     groups = (hi - lo) // len(group)
-    regroup = lambda a: a[lo:hi].reshape(groups, len(group), *a.shape[1:])
+    regroup = lambda a, lo, hi: a[lo:hi].reshape(groups, -1, *a.shape[1:])
     graphdef, state = nnx.split(blocks)
-    part = nnx.merge(graphdef, jax.tree.map(regroup, state))
-    kv = None if cache_kv is None else tuple(map(regroup, cache_kv))
+    part = nnx.merge(graphdef, jax.tree.map(lambda a: regroup(a, lo, hi), state))
+    kv = None
+    if stacks is not None:  # each kind's layers of this part, (groups, per group, ...)
+      span = {kind: (kinds[:lo].count(kind), kinds[:hi].count(kind)) for kind in stacks}
+      kv = {kind: tuple(regroup(a, *span[kind]) for a in stack)
+            for kind, stack in stacks.items() if span[kind][1] > span[kind][0]}
     x_BxLxD, kv, _ = parallel.scan(part, x_BxLxD, (local_args, global_args),
                                    _group_call(group), remat, kv, None,
                                    max(1, min(unroll // len(group), groups)))
-    if kv is not None:
-      out_k.append(kv[0].reshape(hi - lo, *kv[0].shape[2:]))
-      out_v.append(kv[1].reshape(hi - lo, *kv[1].shape[2:]))
-  if cache_kv is None:
+    for kind, (k, v) in (kv or {}).items():
+      out[kind].append(tuple(a.reshape(-1, *a.shape[2:]) for a in (k, v)))
+  if stacks is None:
     return x_BxLxD, None
-  join = lambda parts: parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-  return x_BxLxD, (join(out_k), join(out_v))
+  join = lambda arrays: arrays[0] if len(arrays) == 1 else jnp.concatenate(arrays)
+  return x_BxLxD, {kind: tuple(map(join, zip(*pieces))) if pieces else stacks[kind]
+                   for kind, pieces in out.items()}
+
+
+def _kind(window) -> str:
+  return "global" if window is None else "local"
 
 
 def _group_call(windows: tuple):
-  """parallel.scan's call for one group: its layers in order, each with its window."""
+  """parallel.scan's call for one group: its layers in order, each with its window and
+  its slice of its kind's cache stack (local layers: rings of the window)."""
 
   def call(group, x_BxLxD, args, group_kv):
     graphdef, state = nnx.split(group)
-    new_k, new_v = [], []
+    new = {kind: ([], []) for kind in group_kv or ()}
     for p, window in enumerate(windows):
       layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[p], state))
-      layer_kv = None if group_kv is None else (group_kv[0][p], group_kv[1][p])
+      kind = _kind(window)
+      layer_kv = None
+      if group_kv is not None:  # this layer's place among its kind's layers of the group
+        j = [_kind(w) for w in windows[:p]].count(kind)
+        layer_kv = (group_kv[kind][0][j], group_kv[kind][1][j])
       x_BxLxD, layer_kv = layer(x_BxLxD, *args[window is None], layer_kv, window)
       if layer_kv is not None:
-        new_k.append(layer_kv[0])
-        new_v.append(layer_kv[1])
-    return x_BxLxD, (jnp.stack(new_k), jnp.stack(new_v)) if new_k else None, None
+        new[kind][0].append(layer_kv[0])
+        new[kind][1].append(layer_kv[1])
+    stacked = {kind: (jnp.stack(k), jnp.stack(v)) for kind, (k, v) in new.items()}
+    return x_BxLxD, stacked or None, None
 
   return call
 
@@ -224,11 +243,14 @@ class Gemma(nnx.Module):
     x = x * jnp.asarray(self.cfg.d_model ** 0.5, x.dtype)
     mask = None if doc else causal_mask(l, cache, start)
     local, global_ = self._rope(positions_BxL)
-    kv = None if cache is None else (cache.k_NxBxSxKxE, cache.v_NxBxSxKxE)
-    x, kv = scan_pattern(self.blocks, x, kv, self.remat, self.unroll, self.cfg.layer_windows,
-                         (*local, mask, start, doc), (*global_, mask, start, doc))
+    x, stacks = scan_pattern(self.blocks, x, _stacks(cache), self.remat, self.unroll,
+                             self.cfg.layer_windows, (*local, mask, start, doc),
+                             (*global_, mask, start, doc))
     x = restore(self.final_norm(x))
-    return x, None if cache is None else KVCache(*kv, start + l)
+    if cache is None:
+      return x, None
+    global_kv = stacks.get("global", (cache.k_NxBxSxKxE, cache.v_NxBxSxKxE))
+    return x, KVCache(*global_kv, start + l, *stacks.get("local", ()))
 
   def _rope(self, positions_BxL):
     """(cos, sin) of the local layers and of the global ones: Gemma 3's local layers have
@@ -241,3 +263,16 @@ class Gemma(nnx.Module):
     local = types.SimpleNamespace(head_dim=cfg.head_dim, rope_theta=cfg.rope_local_theta)
     return llama.rope_tables(positions_BxL, cfg.head_dim, cfg.rope_local_theta,
                              rope.inverse_frequencies(local)), global_
+
+
+def _stacks(cache: KVCache | None):
+  """scan_pattern's view of the cache: the global layers' buffers (when there are any) and
+  the local layers' rings (init_cache in gemma_config.py)."""
+  if cache is None:
+    return None
+  stacks = {}
+  if cache.k_NxBxSxKxE.shape[0]:
+    stacks["global"] = (cache.k_NxBxSxKxE, cache.v_NxBxSxKxE)
+  if cache.local_k_NxBxWxKxE is not None:
+    stacks["local"] = (cache.local_k_NxBxWxKxE, cache.local_v_NxBxWxKxE)
+  return stacks

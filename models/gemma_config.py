@@ -15,7 +15,7 @@ import dataclasses
 from flax import nnx
 
 from shardlab.errors import ConfigError
-from shardlab.models import gemma
+from shardlab.models import decoder, gemma
 from shardlab.models.llama_config import LlamaConfig
 from shardlab.models.protocol import register
 
@@ -43,6 +43,22 @@ class Gemma2Config(LlamaConfig):
   saved_activations = {"d": (0, 6), "q": (0, 2), "kv": (0, 2), "scores": (0, 1),
                        "mlp": (0, 3)}
 
+  # The planner's (models/protocol.py): the scan runs one period of the pattern a step
+  # (gemma.scan_pattern); the soft-cap's backward recomputes the fp32 scores
+  # (parallel/softmax.py); the capped loss (models/lm.py) holds the capped fp32 logits too
+  # where XLA does not fuse the cap (CPU).
+  @property
+  def layers_per_scan_step(self) -> int:
+    return self.sliding_window_pattern
+
+  @property
+  def backward_transients(self) -> dict:
+    return {"scores": (1, 0)} if self.attn_softcap else {}
+
+  @property
+  def loss_fp32_logits(self) -> int:
+    return 2 if self.final_softcap else 1
+
   def __post_init__(self):
     super().__post_init__()
     ints = {"sliding_window": 0, "sliding_window_pattern": 1}
@@ -68,6 +84,13 @@ class Gemma2Config(LlamaConfig):
     """Every layer's window, in order (None: global)."""
     return tuple(self.layer_windows[i % self.sliding_window_pattern]
                  for i in range(self.n_layers))
+
+  def init_cache(self, batch: int, length: int, dtype) -> decoder.KVCache:
+    """The global layers' buffers of `length`, the local layers' rings of
+    min(sliding_window, length) in a stack of their own (gemma.scan_pattern routes them)."""
+    local = sum(w is not None for w in self.windows)
+    return decoder.KVCache.zeros(self.n_layers - local, batch, length, self.n_kv_heads,
+                                 self.head_dim, dtype, local, self.sliding_window)
 
   def make(self, rngs: nnx.Rngs, param_dtype, remat: str = "none", lora=None,
            unroll: int = 1) -> gemma.Gemma:

@@ -6,7 +6,9 @@ attention given the window. The window goes to the attention building block
 splash), the KV cache and context parallelism (all-gather and ring). A query sees at most
 `sliding_window` keys, its own included (transformers' convention: key j is seen by query i
 iff i - window < j <= i). `sliding_window = 0` is full causal attention (Mistral-7B-v0.3's
-`sliding_window: null`). Its Hugging Face adapter is shardlab/hf/mistral.py.
+`sliding_window: null`). With a window every layer's KV cache is a ring of
+min(window, length) entries (models/decoder.py's KVCache). Its Hugging Face adapter is
+shardlab/hf/mistral.py.
 """
 
 import dataclasses
@@ -14,7 +16,7 @@ import dataclasses
 from flax import nnx
 
 from shardlab.errors import ConfigError
-from shardlab.models import llama
+from shardlab.models import decoder, llama
 from shardlab.models.decoder import attend
 from shardlab.models.llama_config import LlamaConfig
 from shardlab.models.protocol import register
@@ -53,6 +55,17 @@ class MistralConfig(LlamaConfig):
         or self.sliding_window < 0:
       raise ConfigError(f"model.sliding_window must be an int >= 0 (0: no window), got "
                         f"{self.sliding_window!r}")
+
+  @property
+  def windows(self) -> tuple:
+    """Every layer's window, in order (None: none)."""
+    return (self.sliding_window or None,) * self.n_layers
+
+  def init_cache(self, batch: int, length: int, dtype) -> decoder.KVCache:
+    """Rings of the window's length once `length` is longer (every layer has it)."""
+    return decoder.KVCache.zeros(self.n_layers, batch,
+                                 decoder.ring_length(self.sliding_window, length),
+                                 self.n_kv_heads, self.head_dim, dtype)
 
   def make(self, rngs: nnx.Rngs, param_dtype, remat: str = "none", lora=None,
            unroll: int = 1) -> Mistral:

@@ -92,6 +92,19 @@ OPTIONAL = {
                                 "a dense model: no expert weights, no dispatch all-to-all"),
     "n_active_params": OptionalMember("the parameters one token runs through",
                                       "every parameter (a dense model)", lambda m: m.n_params),
+    "windows": OptionalMember("every layer's sliding window, in order (None: none); such a "
+                              "layer's KV cache is a ring of min(window, length) entries",
+                              "no window: every layer caches the whole context",
+                              lambda m: (None,) * m.n_layers),
+    "layers_per_scan_step": OptionalMember("layers one step of the layer scan runs: their "
+                                           "backward buffers are live together (the planner)",
+                                           "one layer a step", lambda m: 1),
+    "backward_transients": OptionalMember("what a layer's backward holds beyond llama's, by "
+                                          "shape as saved_activations (the planner)",
+                                          "nothing beyond llama's", lambda m: {}),
+    "loss_fp32_logits": OptionalMember("fp32 B×L×V arrays the loss's forward holds beside "
+                                       "its softmax (the planner)", "1: the logits",
+                                       lambda m: 1),
 }
 # Optional members of the module `make` returns, read only where a setting asks for them.
 MODULE_OPTIONAL = {

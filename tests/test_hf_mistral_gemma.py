@@ -167,17 +167,25 @@ def test_convert_cli_round_trip(saved, tmp_path):
 
 @pytest.mark.parametrize("variant", ["mistral-gqa", "gemma2-gqa", "gemma3-gqa"])
 def test_cached_generation_equals_uncached(saved, variant):
-  """A 6-token prompt and 10 new tokens: local layers' windows (4) slide over the cache."""
+  """A 6-token prompt (longer than the window, 4) and a 3-token one (shorter), then new
+  tokens up to 16 in all: the local layers' caches are rings of 4 entries, which wrap."""
   directory, _ = saved(variant)
   cfg, m, r, abstract, sh = placed(directory, "tp")
   params = hf.load_params(directory, cfg.model, abstract, sh)
   gen = generate.Generator(cfg, abstract, sh)
-  s = generate.Sampling(max_new_tokens=10, temperature=1.0, top_k=20, seed=3, num_samples=2,
-                        vocab=128)
-  prompt = TOKENS[0, :6]
-  cached = gen.tokens(params, prompt, s)
-  assert cached.shape == (2, 10)
-  np.testing.assert_array_equal(cached, gen.tokens(params, prompt, s, use_cache=False))
+  for p in (6, 3):
+    s = generate.Sampling(max_new_tokens=16 - p, temperature=1.0, top_k=20, seed=3,
+                          num_samples=2, vocab=128)
+    prompt = TOKENS[0, :p]
+    cached = gen.tokens(params, prompt, s)
+    assert cached.shape == (2, 16 - p)
+    np.testing.assert_array_equal(cached, gen.tokens(params, prompt, s, use_cache=False))
+  cache = jax.eval_shape(lambda: cfg.model.init_cache(2, 16, jnp.float32))
+  windows = cfg.model.windows
+  local = cache.k_NxBxSxKxE if variant.startswith("mistral") else cache.local_k_NxBxWxKxE
+  assert local.shape[:3] == (sum(w is not None for w in windows), 2, 4)
+  if not variant.startswith("mistral"):  # the global layers' buffers hold all 16
+    assert cache.k_NxBxSxKxE.shape[:3] == (windows.count(None), 2, 16)
 
 
 WINDOW_MESHES = [("data:1", "all-gather"), ("data:2,context:4", "all-gather"),

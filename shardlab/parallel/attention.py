@@ -104,11 +104,15 @@ def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask_LxM, cache_kv=None, index=None,
   updated buffers come back too. Without a cache, `impl` may pick the platform's flash
   kernel; `doc` (positions, segment ids; B×L each) masks by document and is what context
   parallelism needs. `window` narrows `mask_LxM` (query i at position index + i with a
-  cache, i without; key j at position j) or the document mask; `softcap` as `attention`'s."""
+  cache, i without; key j at position j) or the document mask; `softcap` as `attention`'s.
+  With both a cache and a `window` the buffers are a ring (`ring_attend`): S may be as
+  short as the window, and `mask_LxM` is not read."""
   flash.check_options(window, softcap)
   q = constrain(q_BxLxHxE, ACTIVATIONS["queries"])
   k = constrain(k_BxLxKxE, ACTIVATIONS["keys_values"])
   v = constrain(v_BxLxKxE, ACTIVATIONS["keys_values"])
+  if cache_kv is not None and window is not None:
+    return ring_attend(q, k, v, cache_kv, index, window, softcap)
   if cache_kv is None and (doc is not None or context.split(flash.QUERIES, q.shape)):
     if doc is None:
       raise ValueError("the rules split `length` (context parallelism) but this model passes "
@@ -126,9 +130,8 @@ def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask_LxM, cache_kv=None, index=None,
   elif flash.resolve(impl, where := platform()) == "flash":
     out = flash.causal(q, k, v, where, window=window, softcap=softcap)
     return constrain(out, ACTIVATIONS["queries"]), None
-  if window is not None:
-    start = 0 if cache_kv is None else index
-    mask_LxM = mask_LxM & window_mask(q.shape[1], k.shape[1], window, start)
+  if window is not None:  # no cache here: a windowed layer's cache is a ring (above)
+    mask_LxM = mask_LxM & window_mask(q.shape[1], k.shape[1], window)
   return _dense(q, k, v, mask_LxM, softcap), cache_kv
 
 
@@ -144,3 +147,41 @@ def window_mask(length: int, keys: int, window: int, start=0):
   """L×M: query i (at start + i) sees key j (at j) iff start + i - window < j; and it with a
   causal mask for the sliding window."""
   return jnp.arange(keys)[None, :] > start + jnp.arange(length)[:, None] - window
+
+
+def ring_positions(slots: int, index):
+  """S: the position each slot of a ring buffer holds once `index` tokens were written
+  (position p lives in slot p mod S, the newest S of them); negative: not written yet."""
+  s = jnp.arange(slots)
+  return index - 1 - (index - 1 - s) % slots
+
+
+def ring_attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, cache_kv, index, window: int, softcap=None):
+  """Attention of L queries at positions index.. over a sliding-window layer's ring cache
+  (B×S×K×E buffers, S >= min(window, the tokens it will hold)): (output, updated buffers).
+  Queries see the keys whose positions (from `ring_positions`) are causal and in the
+  window. A decode step (L = 1) writes its entry first, over the oldest one, which its
+  window no longer sees. A longer chunk attends over the ring's older entries and its own
+  keys together, then leaves its last min(L, S) entries in the ring, so a prompt longer
+  than S needs no buffer longer than S."""
+  l, slots = q_BxLxHxE.shape[1], cache_kv[0].shape[1]
+  names = ACTIVATIONS["kv_cache"][1:]
+  new_kv = (k_BxLxKxE, v_BxLxKxE)
+  if l == 1:
+    ring = tuple(constrain(jax.lax.dynamic_update_slice_in_dim(
+        buf, new.astype(buf.dtype), index % slots, axis=1), names)
+                 for buf, new in zip(cache_kv, new_kv))
+    keys, (k, v) = ring_positions(slots, index + 1), ring
+  else:
+    keys = jnp.concatenate([ring_positions(slots, index), index + jnp.arange(l)])
+    k, v = (jnp.concatenate([buf, new.astype(buf.dtype)], axis=1)
+            for buf, new in zip(cache_kv, new_kv))
+    m = min(l, slots)
+    written = (index + l - m + jnp.arange(m)) % slots  # distinct slots: one scatter
+    ring = tuple(constrain(buf.at[:, written].set(new[:, l - m:].astype(buf.dtype)), names)
+                 for buf, new in zip(cache_kv, new_kv))
+  queries = index + jnp.arange(l)[:, None]
+  mask_LxM = (keys >= 0) & (keys <= queries) & (keys > queries - window)
+  k = constrain(k, ACTIVATIONS["keys_values"])
+  v = constrain(v, ACTIVATIONS["keys_values"])
+  return _dense(q_BxLxHxE, k, v, mask_LxM, softcap), ring

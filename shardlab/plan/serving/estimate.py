@@ -3,6 +3,7 @@
 
 import math
 
+from shardlab.models import protocol
 from shardlab.plan.serving import terms as inf
 from shardlab.runtime import hardware
 
@@ -16,20 +17,29 @@ def _act_bytes(req: inf.Request) -> int:
 def memory(req: inf.Request, model, layout: inf.Layout) -> inf.Memory:
   weights, one_layer = inf.weight_bytes(model, layout, req.weights)
   kv = inf.kv_bytes(model, layout, req.batch, req.context, req.kv_dtype)
-  held = math.ceil(model.n_layers / layout.stage)
+  layer_kv = max(inf.kv_layer_bytes(model, layout, req.batch, req.context, req.kv_dtype))
   t, rows, c = layout.tensor, req.batch // layout.data, req.context
   # Both steps: the scan's new stacked cache, two of one layer's K/V buffers (the slice read
-  # and the slice written) and one layer's weights (the scan's slice of the stack).
-  common = kv + 2 * kv / held + one_layer
+  # and the slice written; the largest layer's) and one layer's weights (the scan's slice).
+  common = kv + 2 * layer_kv + one_layer
   decode = common + rows * model.vocab_size / t * 4  # fp32 logits of one position
   p = _act_bytes(req)
   pb, chunk = min(req.prefill_batch, rows), min(req.prefill_chunk, c)
-  # A prefill call of pb sequences × chunk tokens: one layer's dense scores over the whole
-  # cache, the chunk's fp32 logits (extend computes them all) and one layer's activations.
-  scores = pb * model.n_heads / t * chunk * c * SCORE_BYTES
+  # A prefill call of pb sequences × chunk tokens: one layer's dense scores over its keys,
+  # the chunk's fp32 logits (extend computes them all) and one layer's activations.
+  scores = pb * model.n_heads / t * chunk * _keys(model, c, chunk) * SCORE_BYTES
   hidden = pb * chunk * (6 * model.d_model + 3 * model.mlp_dim / t) * p
   prefill = common + scores + pb * chunk * model.vocab_size / t * 4 + hidden
   return inf.Memory(weights=weights, kv_cache=kv, decode_temp=decode, prefill_temp=prefill)
+
+
+def _keys(model, context: int, chunk: int) -> int:
+  """The most keys a prefill chunk's queries attend over in one layer: the whole cache
+  buffer; a sliding-window layer's ring and, beyond one token, the chunk's own keys
+  (shardlab.parallel.attention.ring_attend)."""
+  windows = protocol.get(model, "windows")
+  return max(s + (chunk if w and chunk > 1 else 0)
+             for w, s in zip(windows, inf.cache_lengths(model, context)))
 
 
 def _all_reduce_s(nbytes: float, t: int, bw: float) -> float:

@@ -6,6 +6,8 @@ mlp and vocab over `tensor`), pipeline stages holding consecutive layers, data-p
 replicas that split the batch. Weights are counted leaf by leaf from the model's abstract
 state, divided as the rules divide them, at the requested bytes per weight.
 
+The KV cache is what generation allocates (the model's init_cache): each layer's buffer
+holds the context, a sliding-window layer's a ring of min(window, context) entries.
 Decode reads every weight and the whole KV cache once per step (one token for each sequence
 of a replica), so it is bound by HBM bandwidth until the batch is large; prefill is bound by
 FLOPs. Both are rooflines (every term at 100% of the datasheet), each with the term that
@@ -194,15 +196,31 @@ def weight_bytes(model, layout: Layout, dtype: str) -> tuple[float, float]:
   return (one_layer * held + outer_elems * per_weight + vectors * vector_bytes, one_layer)
 
 
-def kv_bytes(model, layout: Layout, batch: int, context: int, dtype: str) -> float:
-  """The KV cache per device: 2 (K and V) × layers held × batch rows × context × kv heads ×
-  head_dim, divided as generation shards it (batch over data, kv_heads over tensor)."""
+def cache_lengths(model, context: int) -> tuple[int, ...]:
+  """Each layer's KV cache entries at `context` tokens: a sliding-window layer keeps a ring
+  of min(window, context) (models/decoder.py's KVCache), the others the whole context."""
+  return tuple(min(w, context) if w else context for w in protocol.get(model, "windows"))
+
+
+def kv_layer_bytes(model, layout: Layout, batch: int, context: int,
+                   dtype: str) -> tuple[float, ...]:
+  """Each layer's K and V buffers per device: 2 × batch rows × its cache length × kv heads
+  × head_dim, divided as generation shards them (batch over data, kv_heads over tensor)."""
   if batch % layout.data:
     raise ConfigError(f"batch {batch} does not split over data={layout.data}")
   names = ("batch", "length", "kv_heads", "head_dim")
-  shape = (batch, context, model.n_kv_heads, model.head_dim)
-  elems = plan_memory.shard_elems(shape, names, rules_lib.strategy("tp").activations,
-                                  _mesh(layout.tensor, layout.data), "kv cache")
+  table, mesh = rules_lib.strategy("tp").activations, _mesh(layout.tensor, layout.data)
   per_entry = KV_BYTES[dtype] + (2 / model.head_dim if dtype == "int8" else 0.0)
-  return 2 * math.ceil(model.n_layers / layout.stage) * elems * per_entry
+  elems = {s: plan_memory.shard_elems((batch, s, model.n_kv_heads, model.head_dim), names,
+                                      table, mesh, "kv cache")
+           for s in set(cache_lengths(model, context))}
+  return tuple(2 * elems[s] * per_entry for s in cache_lengths(model, context))
 
+
+def kv_bytes(model, layout: Layout, batch: int, context: int, dtype: str) -> float:
+  """The KV cache per device on the fullest stage (a stage holds ceil(layers / stages)
+  consecutive layers): the sum of its layers' buffers (`kv_layer_bytes`; local layers'
+  rings are shorter than the context)."""
+  layers = kv_layer_bytes(model, layout, batch, context, dtype)
+  held = math.ceil(model.n_layers / layout.stage)
+  return max(sum(layers[i:i + held]) for i in range(0, model.n_layers, held))

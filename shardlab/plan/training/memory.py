@@ -194,9 +194,18 @@ def layer_backward_transient(a: ActivationShapes, p: int, remat: str, m,
   reference grid: 10 bytes a score), whichever is larger. XLA:TPU keeps no fp32 softmax: its
   attention holds the compute-dtype probabilities, their fp32 gradient and the score
   gradient in the compute dtype (8 bytes a score in bf16; tests/test_plan_tpu.py).
+  A model's `backward_transients` (Gemma 2's soft-cap recomputes the fp32 scores) come on
+  top. A scan step of several layers (`layers_per_scan_step`: Gemma's layer pattern) holds
+  every one of its layers' buffers at once: under remat it rebuilds them together; without,
+  XLA's buffer assignment keeps each layer's backward buffers apart and the other layers'
+  residuals read out of the saved stacks beside them — unless one step is the whole stack,
+  when XLA drops the loop and nothing is read out (tests/test_plan_families.py).
   """
+  group, extra = scan_step_layers(m), _backward_extra(a, p, m)
   if remat == "none":
-    return max(a.mlp * 3 * p, _attention_backward(a, p)) + a.d * 2 * p
+    read_out = (group - 1) * layer_saved_bytes(a, p, remat, m) if m.n_layers > group else 0
+    return group * (max(a.mlp * 3 * p, _attention_backward(a, p)) + a.d * 2 * p +
+                    extra) + read_out
   part = dict.fromkeys(("d", "q", "kv", "scores", "mlp"), 0.0) | _saved_by_shape(a, p, m)
   if a.flash:
     scores = part["scores"] + _attention_backward(a, p)
@@ -205,8 +214,32 @@ def layer_backward_transient(a: ActivationShapes, p: int, remat: str, m,
   else:
     scores = part["scores"] + a.scores * 10
   attention = part["q"] + part["kv"] + scores
-  rebuilt = part["d"] + max(part["mlp"] + a.mlp * 3 * p, attention)
-  return max(rebuilt - layer_saved_bytes(a, p, remat, m), 0.0)
+  rebuilt = part["d"] + max(part["mlp"] + a.mlp * 3 * p, attention) + extra
+  kept = group * layer_saved_bytes(a, p, remat, m) - (group - 1) * _carry(a, p, remat)
+  return max(group * rebuilt - kept, 0.0)
+
+
+def scan_step_layers(m) -> int:
+  """Layers one step of the layer scan runs (the model's `layers_per_scan_step`)."""
+  return max(1, min(protocol.get(m, "layers_per_scan_step"), m.n_layers))
+
+
+def _carry(a: ActivationShapes, p: int, remat: str) -> float:
+  """The scan carry (a step's input) that full or save-matmul-outputs remat keeps."""
+  return a.d * p if remat in ("full", "save-matmul-outputs") else 0.0
+
+
+def stack_saved_bytes(a: ActivationShapes, p: int, remat: str, m) -> float:
+  """Bytes the layer stack keeps for backward: every layer's, but under remat one input for
+  each scan step, whatever its layers."""
+  steps = math.ceil(m.n_layers / scan_step_layers(m))
+  return (m.n_layers * layer_saved_bytes(a, p, remat, m) -
+          (m.n_layers - steps) * _carry(a, p, remat))
+
+
+def _backward_extra(a: ActivationShapes, p: int, m) -> float:
+  counts = protocol.get(m, "backward_transients")
+  return sum(getattr(a, k) * (4 * f32 + p * low) for k, (f32, low) in counts.items())
 
 
 def _attention_backward(a: ActivationShapes, p: int) -> float:
@@ -224,15 +257,17 @@ def _attention_backward(a: ActivationShapes, p: int) -> float:
 
 
 def offloaded_activation_bytes(m, a: ActivationShapes, p: int, remat: str) -> float:
-  """Host bytes per device that remat "offload" keeps: every layer's input."""
-  return m.n_layers * a.d * p if remat == "offload" else 0.0
+  """Host bytes per device that remat "offload" keeps: every scan step's input."""
+  steps = math.ceil(m.n_layers / scan_step_layers(m))
+  return steps * a.d * p if remat == "offload" else 0.0
 
 
-def loss_transients(a: ActivationShapes, p: int) -> tuple[float, float]:
+def loss_transients(a: ActivationShapes, p: int, fp32_logits: int = 1) -> tuple[float, float]:
   """The loss stage (models/lm.py's fused cross-entropy): forward, the fp32 logits beside
   the softmax it keeps (compute dtype); backward, that softmax turned in place into the
-  logits' gradient, with the final norm's buffers."""
-  return a.logits * (4 + p), a.logits * p + a.d * (8 + p)
+  logits' gradient, with the final norm's buffers. `fp32_logits`: more fp32 copies held
+  at once (a soft-capped loss's capped logits on XLA:CPU, `loss_fp32_logits`)."""
+  return a.logits * (4 * fp32_logits + p), a.logits * p + a.d * (8 + p)
 
 
 def activation_memory(m, t: TrainConfig, p: int, table: dict, mesh,
@@ -250,8 +285,11 @@ def activation_memory(m, t: TrainConfig, p: int, table: dict, mesh,
   under FSDP the head itself, dead once the logits' input gradient is computed)."""
   a = activation_shapes(m, t.global_batch // t.microbatches, t.seq_len, table, mesh,
                         platform)
-  saved = m.n_layers * layer_saved_bytes(a, p, t.remat, m) + a.d * p  # + embedding output
-  loss_forward, loss_backward = loss_transients(a, p)
+  saved = stack_saved_bytes(a, p, t.remat, m) + a.d * p  # + embedding output
+  # The TPU compiler fuses a logit soft-cap into the softmax's reductions (gemma2-9b on a
+  # v5e-256: one fp32 B×L×V less than XLA:CPU holds; tests/test_plan_families.py).
+  copies = protocol.get(m, "loss_fp32_logits") if platform == "cpu" else 1
+  loss_forward, loss_backward = loss_transients(a, p, copies)
   head_grad = a.head * 4 - head_gathered
   layers = layer_backward_transient(a, p, t.remat, m, platform)
   transient = max(loss_forward, loss_backward + head_grad,
