@@ -3,6 +3,7 @@ multi-head attention, a GELU (tanh) MLP, and the output head tied to the token e
 
 Parameters are stacked over `layers` and scanned like the llama model's (shardlab.parallel.scan);
 the layout matches Hugging Face's GPT2LMHeadModel tensor for tensor (c_attn split into q, k, v).
+LoRA adapts q, k, v, o and the MLP's up (fc) and down (proj) projections, as llama's does.
 Shape suffixes: B batch, L length, P positions, D d_model, H heads, E head_dim, F mlp, V vocab.
 """
 
@@ -38,7 +39,9 @@ class LayerNorm(nnx.Module):
 
 class Attention(nnx.Module):
 
-  def __init__(self, cfg, dtype, rngs: nnx.Rngs, stack=()):
+  BIASES = {"q": "q_bias_HxE", "k": "k_bias_HxE", "v": "v_bias_HxE", "o": "o_bias_D"}
+
+  def __init__(self, cfg, dtype, rngs: nnx.Rngs, stack=(), lora_cfg=None, lora_rngs=None):
     d, h, e = cfg.d_model, cfg.n_heads, cfg.head_dim
     qkv = ("embed", "heads", "head_dim")
     self.q_DxHxE = _param(rngs, (d, h, e), qkv, d, dtype, stack)
@@ -52,49 +55,85 @@ class Attention(nnx.Module):
     self.o_HxExD = _param(rngs, (h, e, d), ("heads", "head_dim", "embed"), fan_in, dtype, stack)
     self.o_bias_D = _param(rngs, (d,), ("embed",), "zeros", dtype, stack)
     self.impl = cfg.attention
+    if lora_cfg is not None:
+      self.lora_q, self.lora_k, self.lora_v, self.lora_o = (
+          _adapter(lora_cfg, t, getattr(self, LORA_WEIGHTS[t]), dtype, lora_rngs, stack)
+          for t in ("q", "k", "v", "o"))
 
   def __call__(self, x_BxLxD, mask_LxM, index, cache_kv=None):
-    q, k, v = (parallel.einsum("bld,dhe->blhe", x_BxLxD, w[...]) + b[...]
-               for w, b in ((self.q_DxHxE, self.q_bias_HxE), (self.k_DxHxE, self.k_bias_HxE),
-                            (self.v_DxHxE, self.v_bias_HxE)))
+    q, k, v = (self.project(t, x_BxLxD) for t in ("q", "k", "v"))
     out, cache_kv = attend(q, k, v, mask_LxM, cache_kv, index, self.impl)
-    return parallel.einsum("blhe,hed->bld", out, self.o_HxExD[...]) + self.o_bias_D[...], cache_kv
+    return self.project("o", out), cache_kv
+
+  def project(self, target: str, x):
+    """One projection ("q", "k", "v" or "o") of x with its bias and its adapter's update."""
+    bias = getattr(self, self.BIASES[target])[...]
+    return _project(self, target, x, getattr(self, LORA_WEIGHTS[target])[...]) + bias
 
 
 class MLP(nnx.Module):
 
-  def __init__(self, cfg, dtype, rngs: nnx.Rngs, stack=()):
+  def __init__(self, cfg, dtype, rngs: nnx.Rngs, stack=(), lora_cfg=None, lora_rngs=None):
     d, f = cfg.d_model, cfg.mlp_dim
     self.fc_DxF = _param(rngs, (d, f), ("embed", "mlp"), d, dtype, stack)
     self.fc_bias_F = _param(rngs, (f,), ("mlp",), "zeros", dtype, stack)
     self.proj_FxD = _param(rngs, (f, d), ("mlp", "embed"), f * 2 * cfg.n_layers, dtype, stack)
     self.proj_bias_D = _param(rngs, (d,), ("embed",), "zeros", dtype, stack)
+    if lora_cfg is not None:
+      self.lora_up, self.lora_down = (
+          _adapter(lora_cfg, t, getattr(self, LORA_WEIGHTS[t]), dtype, lora_rngs, stack)
+          for t in ("up", "down"))
 
   def __call__(self, x_BxLxD):
     # As Llama's MLP: each weight gradient reduced before the backward goes on below it.
     x, (w_fc,) = reduce_grads_early(x_BxLxD, self.fc_DxF)
-    h = parallel.einsum("bld,df->blf", x, w_fc) + self.fc_bias_F[...]
+    h = _project(self, "up", x, w_fc) + self.fc_bias_F[...]
     h_BxLxF = constrain(jax.nn.gelu(h, approximate=True), ACTIVATIONS["mlp_hidden"])
     h_BxLxF, (w_proj,) = reduce_grads_early(h_BxLxF, self.proj_FxD)
-    return parallel.einsum("blf,fd->bld", h_BxLxF, w_proj) + self.proj_bias_D[...]
+    return _project(self, "down", h_BxLxF, w_proj) + self.proj_bias_D[...]
 
 
-def block(cfg, dtype, rngs: nnx.Rngs, stack=()) -> Block:
-  return Block(LayerNorm(cfg, dtype, stack), Attention(cfg, dtype, rngs, stack),
-               LayerNorm(cfg, dtype, stack), MLP(cfg, dtype, rngs, stack))
+# LoRA (shardlab.parallel.lora_adapter): each target's projection einsum and the weight it
+# adapts. Targets are named by role as llama's are: c_fc is the MLP's up, c_proj its down.
+LORA_SPECS = {"q": "bld,dhe->blhe", "k": "bld,dhe->blhe", "v": "bld,dhe->blhe",
+              "o": "blhe,hed->bld", "up": "bld,df->blf", "down": "blf,fd->bld"}
+LORA_WEIGHTS = {"q": "q_DxHxE", "k": "k_DxHxE", "v": "v_DxHxE", "o": "o_HxExD",
+                "up": "fc_DxF", "down": "proj_FxD"}
+
+
+def _project(module: nnx.Module, target: str, x, weight: jax.Array):
+  """The target's projection of x (no bias), with its adapter's update when it has one."""
+  return parallel.lora_project(LORA_SPECS[target], x, weight,
+                               getattr(module, parallel.LORA_PREFIX + target, None))
+
+
+def _adapter(lora_cfg, target: str, weight: nnx.Param, dtype, rngs, stack):
+  names = weight.get_metadata()["out_sharding"][len(stack):]
+  return parallel.lora_adapter(lora_cfg, target, LORA_SPECS[target], weight.shape[len(stack):],
+                               names, dtype, rngs, stack)
+
+
+def block(cfg, dtype, rngs: nnx.Rngs, stack=(), lora_cfg=None) -> Block:
+  """One layer (stacked over `stack`); with `lora_cfg` (a LoraConfig) its targets get
+  adapters, drawn from their own stream so the base init is the same with or without."""
+  extra = ({} if lora_cfg is None else
+           {"lora_cfg": lora_cfg, "lora_rngs": parallel.adapter_rngs(rngs)})
+  return Block(LayerNorm(cfg, dtype, stack), Attention(cfg, dtype, rngs, stack, **extra),
+               LayerNorm(cfg, dtype, stack), MLP(cfg, dtype, rngs, stack, **extra))
 
 
 class GPT2(nnx.Module):
-  """GPT-2 language model. `param_dtype` is the storage dtype of the parameters."""
+  """GPT-2 language model. `param_dtype` is the storage dtype of the parameters;
+  `lora_cfg` (a LoraConfig with rank > 0) adds adapters to its targets (parallel/lora.py)."""
 
   def __init__(self, cfg, rngs: nnx.Rngs, param_dtype=jnp.float32,
-               remat: str = "none", unroll: int = 1):
+               remat: str = "none", lora_cfg=None, unroll: int = 1):
     self.cfg = cfg
     self.remat, self.unroll = remat, unroll  # the layer scan's settings
     d = cfg.d_model
     self.wte_VxD = _param(rngs, (cfg.vocab_size, d), ("vocab", "embed"), d, param_dtype)
     self.wpe_PxD = _param(rngs, (cfg.max_seq_len, d), (None, "embed"), 10_000, param_dtype)
-    self.blocks = block(cfg, param_dtype, rngs, stack=(cfg.n_layers,))
+    self.blocks = block(cfg, param_dtype, rngs, stack=(cfg.n_layers,), lora_cfg=lora_cfg)
     self.final_norm = LayerNorm(cfg, param_dtype)
 
   def __call__(self, tokens_BxL):

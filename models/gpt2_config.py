@@ -42,8 +42,9 @@ class GPT2Config:
   saved_activations = {"d": (6, 2), "q": (0, 2), "kv": (0, 2), "scores": (0, 1),
                        "mlp": (0, 6)}
   saved_matmul_outputs = {"d": 1, "q": 1, "kv": 2, "mlp": 1}
-  lora_targets = ()  # no LoRA adapters (lora.rank > 0 is refused, naming none as valid)
-  lora_weights = {}
+  # The projections LoRA can adapt (lora.targets; llama's names, no gate), and their weights.
+  lora_targets = tuple(gpt2.LORA_WEIGHTS)
+  lora_weights = gpt2.LORA_WEIGHTS
 
   def __post_init__(self):
     for f in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
@@ -74,9 +75,9 @@ class GPT2Config:
 
   def make(self, rngs: nnx.Rngs, param_dtype, remat: str = "none", lora=None,
            unroll: int = 1) -> gpt2.GPT2:
-    if lora is not None and lora.rank:
-      raise ConfigError(f"model {self.name} ({self.arch}) offers no LoRA targets")
-    return gpt2.GPT2(self, rngs, param_dtype, remat, unroll)
+    """The module; `lora` (a LoraConfig with rank > 0) adds adapters to its targets."""
+    return gpt2.GPT2(self, rngs, param_dtype, remat, lora if lora and lora.rank else None,
+                     unroll)
 
   def init_cache(self, batch: int, length: int, dtype) -> decoder.KVCache:
     return decoder.KVCache.zeros(self.n_layers, batch, length, self.n_heads, self.head_dim,
@@ -101,7 +102,13 @@ class GPT2Config:
     return (self.vocab_size + self.max_seq_len) * d + self.n_layer_params + 2 * d
 
   def n_lora_params(self, lora) -> int:
-    return 0
+    """Adapter parameters for a LoraConfig: rank × (fan-in + fan-out) per target, per layer
+    (the biases are not adapted)."""
+    d, f = self.d_model, self.mlp_dim
+    sides = {"q": 2 * d, "k": 2 * d, "v": 2 * d, "o": 2 * d, "up": d + f, "down": f + d}
+    if not lora.rank:
+      return 0
+    return self.n_layers * lora.rank * sum(sides[t] for t in lora.target_names)
 
   def flops_per_token(self, seq_len: int) -> float:
     """6·N + 12·layers·d_model·seq (PaLM appendix B); N excludes the position table (a
