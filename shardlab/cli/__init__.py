@@ -16,6 +16,12 @@ from shardlab.cli.train import train_main
 
 
 def launch_main(argv=None, prog: str = "shardlab launch") -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  ours = argv[:argv.index("--")] if "--" in argv else argv
+  if "--slurm" in ours:  # an sbatch script for a SLURM cluster instead of local processes
+    from shardlab.runtime import sbatch
+    argv.remove("--slurm")
+    return sbatch.sbatch_main(argv, f"{prog} --slurm")
   from shardlab.runtime import launch
   return launch.launch_main(argv, prog)
 

@@ -1,11 +1,12 @@
 """Multi-controller runs: one process per host (or per GPU), all running the same program.
 
 `initialize` starts jax.distributed either from explicit arguments (--coordinator, set by
-`shardlab launch` through SHARDLAB_* variables) or from the cluster JAX detects (TPU pod
-slices, SLURM, Open MPI). It must run before the backend starts. Nothing waits without a
-deadline: joining has `--init-timeout`, and afterwards a watchdog stops every process when
-one dies, hangs or fails (watchdog.py); each such exit is code 4 with a message naming the
-process or the coordinator. A coordinator port already in use is refused before JAX tries
+`shardlab launch` through SHARDLAB_* variables), from an `srun` step's environment (slurm.py)
+or an `mpirun` rank's (open_mpi.py), or from the cluster JAX detects (TPU pod slices). It
+must run before the backend starts. Nothing waits without a deadline: joining has
+`--init-timeout`, and afterwards a watchdog stops every process when one dies, hangs or fails
+(watchdog.py); each such exit is code 4 with a message naming the process or the
+coordinator. A coordinator port already in use is refused before JAX tries
 it (exit 2, naming the port): JAX's own failure there is a native crash.
 """
 
@@ -19,7 +20,7 @@ import threading
 import jax
 
 from shardlab.errors import ConfigError
-from shardlab.runtime import jax_compat, watchdog
+from shardlab.runtime import jax_compat, open_mpi, slurm, watchdog
 
 # Set by `shardlab launch` for each process it starts; the CLI reads them as defaults.
 ENV_COORDINATOR = "SHARDLAB_COORDINATOR"
@@ -37,10 +38,12 @@ _watchdog: watchdog.Watchdog | None = None
 def detected_cluster() -> str | None:
   """The kind of multi-process launch we are inside, from the environment, or None."""
   env = os.environ
-  if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
-    return "SLURM"
-  if int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+  # mpirun's ranks first: in a SLURM allocation they may carry an srun step's variables too
+  # (Open MPI starts its daemons on the other nodes with srun), but only mpirun sets OMPI_*.
+  if open_mpi.in_run(env):
     return "Open MPI"
+  if slurm.in_step(env):
+    return "SLURM"
   hosts = env.get("TPU_WORKER_HOSTNAMES", "")
   if "," in hosts or "MEGASCALE_COORDINATOR_ADDRESS" in env:
     return "TPU pod"
@@ -73,6 +76,10 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     cluster = detected_cluster()
     if cluster is None:
       return None
+    if cluster == "SLURM":
+      return _start_slurm(init_timeout_s, heartbeat_timeout_s)
+    if cluster == "Open MPI":
+      return _start_open_mpi(init_timeout_s, heartbeat_timeout_s)
     _start(init_timeout_s, heartbeat_timeout_s, f"the coordinator {cluster} names")
     return f"{cluster} (detected): process {jax.process_index()} of {jax.process_count()}"
   if num_processes is None or process_id is None:
@@ -88,23 +95,69 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         f"run's coordinator, or another program, listens there); process 0 hosts the "
         f"coordinator on it. Choose a free port for every process (`shardlab launch` picks "
         f"one when --port is left out), or stop what uses it")
-  if jax.config.jax_platforms == "cpu" or os.environ.get("JAX_PLATFORMS") == "cpu":
-    # CPU devices in different processes talk through gloo (tests, laptops).
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  _use_gloo_on_cpu()
   _start(init_timeout_s, heartbeat_timeout_s, coordinator, num_processes, process_id)
   return f"{coordinator}: process {process_id} of {num_processes}"
 
 
+def _use_gloo_on_cpu() -> None:
+  if jax.config.jax_platforms == "cpu" or os.environ.get("JAX_PLATFORMS") == "cpu":
+    # CPU devices in different processes talk through gloo (tests, laptops).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+def _start_slurm(init_timeout_s: float, heartbeat_timeout_s: float) -> str:
+  """One task of an `srun` step: the coordinator on the step's first node (slurm.py)."""
+  try:
+    task = slurm.task(os.environ)
+  except (KeyError, ValueError) as e:
+    raise ConfigError(f"inside an srun step, but its environment does not say where process "
+                      f"0 is: {e}; set JAX_COORDINATOR_ADDRESS=HOST:PORT for every task")
+  port = task.coordinator.rpartition(":")[2]
+  if task.process_id == 0 and port.isdigit() and port_in_use(int(port)):
+    raise ConfigError(
+        f"SLURM coordinator {task.coordinator} ({task.port_source}): port {port} "
+        f"is already in use on this host (another run's coordinator, or another program); "
+        f"set JAX_COORDINATOR_PORT to a free port for every task (export it before srun)")
+  _use_gloo_on_cpu()
+  _start(init_timeout_s, heartbeat_timeout_s, task.coordinator, task.num_processes,
+         task.process_id, task.local_device_ids, from_slurm=True)
+  return (f"SLURM (detected), coordinator {task.coordinator} ({task.port_source}): process "
+          f"{task.process_id} of {task.num_processes}")
+
+
+def _start_open_mpi(init_timeout_s: float, heartbeat_timeout_s: float) -> str:
+  """One rank of an `mpirun`: the coordinator on mpirun's host (open_mpi.py)."""
+  try:
+    rank = open_mpi.rank(os.environ)
+  except (KeyError, ValueError) as e:
+    raise ConfigError(f"inside mpirun, but its environment does not say where process 0 is: "
+                      f"{e}; set JAX_COORDINATOR_ADDRESS=HOST:PORT for every rank (mpirun -x)")
+  port = rank.coordinator.rpartition(":")[2]
+  if rank.process_id == 0 and port.isdigit() and port_in_use(int(port)):
+    raise ConfigError(
+        f"Open MPI coordinator {rank.coordinator} (from {rank.source}): port {port} is "
+        f"already in use on this host (another run's coordinator, or another program); set "
+        f"JAX_COORDINATOR_PORT to a free port for every rank (mpirun -x JAX_COORDINATOR_PORT)")
+  _use_gloo_on_cpu()
+  _start(init_timeout_s, heartbeat_timeout_s, rank.coordinator, rank.num_processes,
+         rank.process_id, rank.local_device_ids)
+  return (f"Open MPI (detected), coordinator {rank.coordinator}: process {rank.process_id} "
+          f"of {rank.num_processes}")
+
+
 def _start(init_timeout_s: float, heartbeat_timeout_s: float, coordinator: str,
-           num_processes: int | None = None, process_id: int | None = None) -> None:
+           num_processes: int | None = None, process_id: int | None = None,
+           local_device_ids: list[int] | None = None, from_slurm: bool = False) -> None:
   """jax.distributed.initialize under our deadline, then the watchdog. JAX's own timeouts
   are longer, as backstops: its init error and its heartbeat abort print native stacks."""
   timer = threading.Timer(init_timeout_s, _init_timed_out,
-                          (coordinator, num_processes, process_id, init_timeout_s))
+                          (coordinator, num_processes, process_id, init_timeout_s, from_slurm))
   timer.daemon = True
   timer.start()
   explicit = {} if num_processes is None else dict(
-      coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+      coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
+      local_device_ids=local_device_ids)
   try:
     jax.distributed.initialize(**explicit, initialization_timeout=int(init_timeout_s) + 30,
                                heartbeat_timeout_seconds=int(3 * heartbeat_timeout_s),
@@ -131,11 +184,18 @@ def _start(init_timeout_s: float, heartbeat_timeout_s: float, coordinator: str,
   sys.excepthook = excepthook
 
 
-def _init_timed_out(coordinator: str, num_processes, process_id, timeout_s: float) -> None:
+def _init_timed_out(coordinator: str, num_processes, process_id, timeout_s: float,
+                    from_slurm: bool = False) -> None:
   """Says which process waited for what, then exits: jax.distributed.initialize would
   otherwise block until JAX's own (longer) deadline, and then abort with a native stack."""
   n = num_processes if num_processes is not None else "all"
-  if process_id == 0:
+  if from_slurm:  # srun started every task: the question is only who could not join
+    reached = process_id == 0 or _answers(coordinator)
+    what = (f"SLURM task {process_id}: not all {n} tasks of the step joined the coordinator "
+            f"at {coordinator} within {timeout_s:g} s" + ("" if reached else
+            " (nothing answers there from this node: check that the first node's name "
+            "resolves here, or set JAX_COORDINATOR_ADDRESS=HOST:PORT)"))
+  elif process_id == 0:
     ids = "1" if n == 2 else f"1..{n - 1}"
     what = (f"process 0 hosts the coordinator at {coordinator}, but not all {n} processes "
             f"joined within {timeout_s:g} s: start the others with --coordinator "

@@ -176,7 +176,8 @@ def _stop(procs) -> None:
 
 def launch_main(argv=None, prog: str = "shardlab launch") -> int:
   p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                              usage=f"{prog} -n N [--devices-per-process D] -- COMMAND ...")
+                              usage=f"{prog} -n N [--devices-per-process D] -- COMMAND ...",
+                              epilog=f"On a SLURM cluster: {prog} --slurm --help")
   p.add_argument("-n", "--num-processes", type=int, required=True)
   p.add_argument("--devices-per-process", type=int, default=1,
                  help="simulated CPU devices in each process")

@@ -26,6 +26,7 @@ class StopRequest:
     self.coordinated = (distributed.coordinated_preemption() if coordinated is None
                         else coordinated)
     self.signal_name: str | None = None
+    self._calls = 0  # due() calls in this run: the sync manager's counter (see due)
     self._interrupted = False
     self._previous = {}
 
@@ -41,8 +42,14 @@ class StopRequest:
   def due(self, step: int) -> str | None:
     """The signal to stop for after `step`, or None. Call it after every step, on every
     process (the sync manager counts the calls)."""
-    if self.coordinated and self.signal_name is None and \
-        multihost_utils.reached_preemption_sync_point(step):
+    if not self.coordinated or self.signal_name is not None:
+      return self.signal_name
+    # The manager sets the sync point one past the largest counter any process last passed
+    # (0 before the first call) and waits for that exact value. So the counter counts this
+    # run's calls from 1: step numbers of a resumed run start past 1, and a notice before
+    # its first step was never matched (the run went on, unsaved, until SIGKILL).
+    self._calls += 1
+    if multihost_utils.reached_preemption_sync_point(self._calls):
       self.signal_name = "SIGTERM"
       print(f"process {jax.process_index()}: a preemption notice (SIGTERM) reached "
             f"the run; every process stops and saves at step {step}", file=sys.stderr,
