@@ -7,6 +7,8 @@ LoRA adapts q, k, v, o and the MLP's up (fc) and down (proj) projections, as lla
 Shape suffixes: B batch, L length, P positions, D d_model, H heads, E head_dim, F mlp, V vocab.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -101,16 +103,9 @@ LORA_WEIGHTS = {"q": "q_DxHxE", "k": "k_DxHxE", "v": "v_DxHxE", "o": "o_HxExD",
                 "up": "fc_DxF", "down": "proj_FxD"}
 
 
-def _project(module: nnx.Module, target: str, x, weight: jax.Array):
-  """The target's projection of x (no bias), with its adapter's update when it has one."""
-  return parallel.lora_project(LORA_SPECS[target], x, weight,
-                               getattr(module, parallel.LORA_PREFIX + target, None))
-
-
-def _adapter(lora_cfg, target: str, weight: nnx.Param, dtype, rngs, stack):
-  names = weight.get_metadata()["out_sharding"][len(stack):]
-  return parallel.lora_adapter(lora_cfg, target, LORA_SPECS[target], weight.shape[len(stack):],
-                               names, dtype, rngs, stack)
+# The target's projection of x (with its adapter's update, if any), and its adapter.
+_project = functools.partial(parallel.lora_project_target, LORA_SPECS)
+_adapter = functools.partial(parallel.lora_for_weight, LORA_SPECS)
 
 
 def block(cfg, dtype, rngs: nnx.Rngs, stack=(), lora_cfg=None) -> Block:

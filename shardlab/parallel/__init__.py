@@ -23,6 +23,8 @@ from shardlab.parallel.early_grads import reduce_grads_early
 from shardlab.parallel.flash import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from shardlab.parallel.lora import PREFIX as LORA_PREFIX, Adapter, adapter_rngs
 from shardlab.parallel.lora import maybe as lora_adapter, project as lora_project
+from shardlab.parallel.lora import for_weight as lora_for_weight
+from shardlab.parallel.lora import project_target as lora_project_target
 from shardlab.parallel.loss import cross_entropy
 from shardlab.parallel.mlp import swiglu
 from shardlab.parallel.names import ACTIVATIONS
@@ -40,8 +42,8 @@ __all__ = [
     "LAYER_INPUT", "LORA_PREFIX", "LoraWeight", "PipelineParts", "REMAT_POLICIES",
     "adapter_rngs", "add_lora", "attend", "attention", "causal_mask", "constrain",
     "cross_entropy", "current", "document_positions", "einsum", "experts",
-    "is_context_parallel", "lora_adapter", "lora_einsum", "lora_frozen", "lora_project",
-    "merge_lora", "param", "pipeline_1f1b", "pipeline_1f1b_active", "pipeline_1f1b_grads",
+    "is_context_parallel", "lora_adapter", "lora_einsum", "lora_for_weight", "lora_frozen",
+    "lora_project", "lora_project_target", "merge_lora", "param", "pipeline_1f1b", "pipeline_1f1b_active", "pipeline_1f1b_grads",
     "pipeline_1f1b_loss", "platform", "reduce_grads_early", "route", "router_stats", "scan",
     "scan_layers", "stacked_param", "step_context", "swiglu", "swiglu_expert", "zigzag",
 ]

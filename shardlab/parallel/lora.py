@@ -81,6 +81,20 @@ def project(spec: str, x, weight, adapter: Adapter | None):
   return y if adapter is None else y + adapter(x)
 
 
+def for_weight(specs: dict[str, str], lora, target: str, weight, dtype, rngs, stack=()):
+  """`maybe` for `target` of a model whose projections are `specs` (target -> einsum), sized
+  and named as the param `weight` it adapts (an nnx.Param with `stack` leading dims)."""
+  names = weight.get_metadata()["out_sharding"][len(stack):]
+  return maybe(lora, target, specs[target], weight.shape[len(stack):], names, dtype, rngs,
+               stack)
+
+
+def project_target(specs: dict[str, str], module, target: str, x, weight):
+  """`project` by `target`'s einsum in `specs`, with the adapter `module` holds for it (its
+  `lora_<target>`), if any."""
+  return project(specs[target], x, weight, getattr(module, PREFIX + target, None))
+
+
 def merged(w, a, b, scale: float):
   """W + scale·A·B in fp32, for a weight with leading stack dims that A and B share."""
   stack = a.ndim + b.ndim - 2 - w.ndim
