@@ -62,7 +62,7 @@ def test_open_mpi_4_coordinator_is_jaxs(monkeypatch):
 def test_open_mpi_5_coordinator_is_mpiruns_host():
   rank = open_mpi.rank(OMPI5)  # not the PMIx server URI's 127.0.0.1: each node's own daemon
   assert rank.coordinator == f"vm:{61440 + 24654 % 4096}"
-  assert (rank.num_processes, rank.process_id, rank.source) == (2, 1, "PMIX_NAMESPACE")
+  assert (rank.num_processes, rank.process_id, rank.source) == (2, 1, "from PMIX_NAMESPACE")
   dashed = {**OMPI5, "PMIX_NAMESPACE": "prterun-gpu-node-07-31337@1"}
   assert open_mpi.rank(dashed).coordinator == f"gpu-node-07:{61440 + 31337 % 4096}"
   assert open_mpi.rank({**OMPI5, "JAX_COORDINATOR_PORT": "7000"}).coordinator == "vm:7000"

@@ -76,10 +76,9 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     cluster = detected_cluster()
     if cluster is None:
       return None
-    if cluster == "SLURM":
-      return _start_slurm(init_timeout_s, heartbeat_timeout_s)
-    if cluster == "Open MPI":
-      return _start_open_mpi(init_timeout_s, heartbeat_timeout_s)
+    readers = {"SLURM": slurm.task, "Open MPI": open_mpi.rank}
+    if cluster in readers:
+      return _start_launched(cluster, readers[cluster], init_timeout_s, heartbeat_timeout_s)
     _start(init_timeout_s, heartbeat_timeout_s, f"the coordinator {cluster} names")
     return f"{cluster} (detected): process {jax.process_index()} of {jax.process_count()}"
   if num_processes is None or process_id is None:
@@ -106,44 +105,32 @@ def _use_gloo_on_cpu() -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 
-def _start_slurm(init_timeout_s: float, heartbeat_timeout_s: float) -> str:
-  """One task of an `srun` step: the coordinator on the step's first node (slurm.py)."""
-  try:
-    task = slurm.task(os.environ)
-  except (KeyError, ValueError) as e:
-    raise ConfigError(f"inside an srun step, but its environment does not say where process "
-                      f"0 is: {e}; set JAX_COORDINATOR_ADDRESS=HOST:PORT for every task")
-  port = task.coordinator.rpartition(":")[2]
-  if task.process_id == 0 and port.isdigit() and port_in_use(int(port)):
-    raise ConfigError(
-        f"SLURM coordinator {task.coordinator} ({task.port_source}): port {port} "
-        f"is already in use on this host (another run's coordinator, or another program); "
-        f"set JAX_COORDINATOR_PORT to a free port for every task (export it before srun)")
-  _use_gloo_on_cpu()
-  _start(init_timeout_s, heartbeat_timeout_s, task.coordinator, task.num_processes,
-         task.process_id, task.local_device_ids, from_slurm=True)
-  return (f"SLURM (detected), coordinator {task.coordinator} ({task.port_source}): process "
-          f"{task.process_id} of {task.num_processes}")
+# Launchers that start every process themselves: what the process is inside, what its
+# processes are called, and how a variable reaches all of them.
+LAUNCHED = {"SLURM": ("an srun step", "task", "export it before srun"),
+            "Open MPI": ("mpirun", "rank", "mpirun -x JAX_COORDINATOR_PORT")}
 
 
-def _start_open_mpi(init_timeout_s: float, heartbeat_timeout_s: float) -> str:
-  """One rank of an `mpirun`: the coordinator on mpirun's host (open_mpi.py)."""
+def _start_launched(name: str, read, init_timeout_s: float, heartbeat_timeout_s: float) -> str:
+  """One process a launcher started (slurm.py, open_mpi.py read its environment): the
+  coordinator on process 0's host, the process count and id, its GPUs."""
+  inside, each, export = LAUNCHED[name]
   try:
-    rank = open_mpi.rank(os.environ)
+    proc = read(os.environ)
   except (KeyError, ValueError) as e:
-    raise ConfigError(f"inside mpirun, but its environment does not say where process 0 is: "
-                      f"{e}; set JAX_COORDINATOR_ADDRESS=HOST:PORT for every rank (mpirun -x)")
-  port = rank.coordinator.rpartition(":")[2]
-  if rank.process_id == 0 and port.isdigit() and port_in_use(int(port)):
+    raise ConfigError(f"inside {inside}, but its environment does not say where process 0 "
+                      f"is: {e}; set JAX_COORDINATOR_ADDRESS=HOST:PORT for every {each}")
+  port = proc.coordinator.rpartition(":")[2]
+  if proc.process_id == 0 and port.isdigit() and port_in_use(int(port)):
     raise ConfigError(
-        f"Open MPI coordinator {rank.coordinator} (from {rank.source}): port {port} is "
-        f"already in use on this host (another run's coordinator, or another program); set "
-        f"JAX_COORDINATOR_PORT to a free port for every rank (mpirun -x JAX_COORDINATOR_PORT)")
+        f"{name} coordinator {proc.coordinator} ({proc.source}): port {port} is already in "
+        f"use on this host (another run's coordinator, or another program); set "
+        f"JAX_COORDINATOR_PORT to a free port for every {each} ({export})")
   _use_gloo_on_cpu()
-  _start(init_timeout_s, heartbeat_timeout_s, rank.coordinator, rank.num_processes,
-         rank.process_id, rank.local_device_ids)
-  return (f"Open MPI (detected), coordinator {rank.coordinator}: process {rank.process_id} "
-          f"of {rank.num_processes}")
+  _start(init_timeout_s, heartbeat_timeout_s, proc.coordinator, proc.num_processes,
+         proc.process_id, proc.local_device_ids, from_slurm=name == "SLURM")
+  return (f"{name} (detected), coordinator {proc.coordinator} ({proc.source}): process "
+          f"{proc.process_id} of {proc.num_processes}")
 
 
 def _start(init_timeout_s: float, heartbeat_timeout_s: float, coordinator: str,

@@ -10,8 +10,9 @@ coordinator there: run `mpirun` on the host of rank 0 (the first of --host / the
 """
 
 import dataclasses
-import glob
 import re
+
+from shardlab.runtime import gpus as gpus_lib
 
 ORTE_URI = "OMPI_MCA_orte_hnp_uri"
 # JAX's port range for Open MPI, above Linux's ephemeral ports (32768-60999 by default).
@@ -26,7 +27,7 @@ class Rank:
   num_processes: int
   process_id: int
   local_device_ids: list[int] | None  # None: leave it to JAX (CPU, TPU, JAX_LOCAL_DEVICE_IDS)
-  source: str  # where the address came from, for an error message
+  source: str  # where the address came from ("from PMIX_NAMESPACE"), for messages
 
 
 def in_run(env) -> bool:
@@ -65,14 +66,7 @@ def rank(env) -> Rank:
       port, source = int(env["JAX_COORDINATOR_PORT"]), "JAX_COORDINATOR_PORT"
     coordinator = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
   return Rank(coordinator, int(env["OMPI_COMM_WORLD_SIZE"]), int(env["OMPI_COMM_WORLD_RANK"]),
-              local_device_ids(env, _visible_gpus(env)), source)
-
-
-def _visible_gpus(env) -> int:
-  visible = env.get("CUDA_VISIBLE_DEVICES")
-  if visible is not None:
-    return len([d for d in visible.split(",") if d.strip()])
-  return len(glob.glob("/dev/nvidia[0-9]*"))
+              local_device_ids(env, gpus_lib.visible(env)), f"from {source}")
 
 
 def local_device_ids(env, gpus: int) -> list[int] | None:
@@ -83,9 +77,4 @@ def local_device_ids(env, gpus: int) -> list[int] | None:
   ranks = int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "0"))
   if gpus == 0 or "JAX_LOCAL_DEVICE_IDS" in env or ranks < 1:
     return None
-  if gpus < ranks:
-    return list(range(gpus))
-  if gpus % ranks:
-    return None  # no equal share: JAX's own rule ([LOCAL_RANK])
-  share, local = gpus // ranks, int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
-  return list(range(local * share, (local + 1) * share))
+  return gpus_lib.share(gpus, ranks, int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))

@@ -8,8 +8,9 @@ task the single GPU [SLURM_LOCALID] (one task per node then drives one GPU of ei
 """
 
 import dataclasses
-import glob
 import re
+
+from shardlab.runtime import gpus as gpus_lib
 
 # The port range JAX uses for SLURM, above Linux's ephemeral ports (32768-60999 by default),
 # so no outgoing connection holds it by chance.
@@ -23,7 +24,7 @@ class Task:
   num_processes: int
   process_id: int
   local_device_ids: list[int] | None  # None: leave it to JAX (CPU, TPU, JAX_LOCAL_DEVICE_IDS)
-  port_source: str  # where the address came from, for messages
+  source: str  # where the address came from ("port from job 7, step 0"), for messages
 
 
 def in_step(env) -> bool:
@@ -74,14 +75,7 @@ def task(env) -> Task:
       port, source = coordinator_port(job, step), f"port from job {job}, step {step}"
     coordinator = f"{first_host(nodelist)}:{port}"
   return Task(coordinator, step_tasks(env), int(env["SLURM_PROCID"]),
-              local_device_ids(env, _visible_gpus(env)), source)
-
-
-def _visible_gpus(env) -> int:
-  visible = env.get("CUDA_VISIBLE_DEVICES")
-  if visible is not None:
-    return len([d for d in visible.split(",") if d.strip()])
-  return len(glob.glob("/dev/nvidia[0-9]*"))
+              local_device_ids(env, gpus_lib.visible(env)), source)
 
 
 def tasks_on_node(env) -> int | None:
@@ -101,9 +95,5 @@ def local_device_ids(env, gpus: int) -> list[int] | None:
   tasks = tasks_on_node(env)
   if gpus == 0 or "JAX_LOCAL_DEVICE_IDS" in env or tasks is None:
     return None
-  if tasks == 1 or env.get("SLURM_GPUS_PER_TASK") or gpus < tasks:
-    return list(range(gpus))
-  if gpus % tasks:
-    return None  # no equal share: JAX's own rule ([SLURM_LOCALID])
-  share, local = gpus // tasks, int(env.get("SLURM_LOCALID", "0"))
-  return list(range(local * share, (local + 1) * share))
+  return gpus_lib.share(gpus, tasks, int(env.get("SLURM_LOCALID", "0")),
+                        own_each=bool(env.get("SLURM_GPUS_PER_TASK")))
