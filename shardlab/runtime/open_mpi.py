@@ -9,10 +9,9 @@ name each node's own daemon (127.0.0.1 on one host), so they cannot. Process 0 h
 coordinator there: run `mpirun` on the host of rank 0 (the first of --host / the hostfile).
 """
 
-import dataclasses
 import re
 
-from shardlab.runtime import gpus as gpus_lib
+from shardlab.runtime import launched
 
 ORTE_URI = "OMPI_MCA_orte_hnp_uri"
 # JAX's port range for Open MPI, above Linux's ephemeral ports (32768-60999 by default).
@@ -21,13 +20,7 @@ ORTE_HOST = re.compile(r"tcp://(.+?)[,:]|tcp6://\[(.+?)[,\]]")
 PRTE_NAMESPACE = re.compile(r"^prterun-(.+)-(\d+)@\d+$")
 
 
-@dataclasses.dataclass(frozen=True)
-class Rank:
-  coordinator: str  # HOST:PORT of process 0
-  num_processes: int
-  process_id: int
-  local_device_ids: list[int] | None  # None: leave it to JAX (CPU, TPU, JAX_LOCAL_DEVICE_IDS)
-  source: str  # where the address came from ("from PMIX_NAMESPACE"), for messages
+Rank = launched.Process  # what this launcher tells one of its processes
 
 
 def in_run(env) -> bool:
@@ -66,7 +59,7 @@ def rank(env) -> Rank:
       port, source = int(env["JAX_COORDINATOR_PORT"]), "JAX_COORDINATOR_PORT"
     coordinator = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
   return Rank(coordinator, int(env["OMPI_COMM_WORLD_SIZE"]), int(env["OMPI_COMM_WORLD_RANK"]),
-              local_device_ids(env, gpus_lib.visible(env)), f"from {source}")
+              local_device_ids(env, launched.visible_gpus(env)), f"from {source}")
 
 
 def local_device_ids(env, gpus: int) -> list[int] | None:
@@ -77,4 +70,4 @@ def local_device_ids(env, gpus: int) -> list[int] | None:
   ranks = int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "0"))
   if gpus == 0 or "JAX_LOCAL_DEVICE_IDS" in env or ranks < 1:
     return None
-  return gpus_lib.share(gpus, ranks, int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))
+  return launched.gpu_share(gpus, ranks, int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))

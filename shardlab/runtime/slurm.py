@@ -7,10 +7,9 @@ job id (two `srun` steps of one job, on the same first node, collide), and gives
 task the single GPU [SLURM_LOCALID] (one task per node then drives one GPU of eight).
 """
 
-import dataclasses
 import re
 
-from shardlab.runtime import gpus as gpus_lib
+from shardlab.runtime import launched
 
 # The port range JAX uses for SLURM, above Linux's ephemeral ports (32768-60999 by default),
 # so no outgoing connection holds it by chance.
@@ -18,13 +17,7 @@ PORT_BASE, PORT_SLOTS = 61440, 4096
 STEPS_PER_JOB = 8  # consecutive steps of one job get distinct ports, 8 per job id
 
 
-@dataclasses.dataclass(frozen=True)
-class Task:
-  coordinator: str  # HOST:PORT of process 0
-  num_processes: int
-  process_id: int
-  local_device_ids: list[int] | None  # None: leave it to JAX (CPU, TPU, JAX_LOCAL_DEVICE_IDS)
-  source: str  # where the address came from ("port from job 7, step 0"), for messages
+Task = launched.Process  # what this launcher tells one of its processes
 
 
 def in_step(env) -> bool:
@@ -75,7 +68,7 @@ def task(env) -> Task:
       port, source = coordinator_port(job, step), f"port from job {job}, step {step}"
     coordinator = f"{first_host(nodelist)}:{port}"
   return Task(coordinator, step_tasks(env), int(env["SLURM_PROCID"]),
-              local_device_ids(env, gpus_lib.visible(env)), source)
+              local_device_ids(env, launched.visible_gpus(env)), source)
 
 
 def tasks_on_node(env) -> int | None:
@@ -95,5 +88,5 @@ def local_device_ids(env, gpus: int) -> list[int] | None:
   tasks = tasks_on_node(env)
   if gpus == 0 or "JAX_LOCAL_DEVICE_IDS" in env or tasks is None:
     return None
-  return gpus_lib.share(gpus, tasks, int(env.get("SLURM_LOCALID", "0")),
+  return launched.gpu_share(gpus, tasks, int(env.get("SLURM_LOCALID", "0")),
                         own_each=bool(env.get("SLURM_GPUS_PER_TASK")))
