@@ -7,11 +7,10 @@ are known. A new one (a file of your own) registers when it is imported, before 
 """
 
 import importlib.resources
-import tomllib
 from pathlib import Path
 
 from shardlab import config as config_lib
-from shardlab.errors import ConfigError, unknown
+from shardlab.errors import ConfigError, parse_toml, unknown
 # Imported for their registration: each file's @register puts its config on the registry.
 from shardlab.models import gpt2_config, llama_config, moe_config  # noqa: F401
 from shardlab.models import qwen2, qwen3, qwen3_moe  # noqa: F401
@@ -47,10 +46,7 @@ def load(name_or_file: str):
     if not preset.is_file():
       raise unknown("model", name_or_file, presets())
     text, stem = preset.read_text(), name_or_file
-  try:
-    data = tomllib.loads(text)
-  except tomllib.TOMLDecodeError as e:
-    raise ConfigError(f"model file {name_or_file!r} is not valid TOML: {e}") from None
+  data = parse_toml(text, f"model file {name_or_file!r}")
   data.setdefault("name", stem)
   try:
     return from_dict(data)

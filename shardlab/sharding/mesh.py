@@ -8,7 +8,6 @@ communication-hungry axis — always lands on neighbouring devices.
 import dataclasses
 import importlib.resources
 import math
-import tomllib
 from pathlib import Path
 
 import jax
@@ -16,7 +15,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from shardlab.errors import ConfigError, unknown
+from shardlab.errors import ConfigError, parse_toml, unknown
 
 # `context`: context parallelism, the sequence split over devices for the whole model
 # (docs/long-context.md).
@@ -121,10 +120,7 @@ def load(name: str) -> MeshSpec:
       raise unknown("mesh preset", name, presets())
   elif not path.is_file():
     raise ConfigError(f"mesh file {name!r} does not exist")
-  try:
-    data = tomllib.loads(path.read_text())
-  except tomllib.TOMLDecodeError as e:
-    raise ConfigError(f"mesh file {name!r} is not valid TOML: {e}") from None
+  data = parse_toml(path.read_text(), f"mesh file {name!r}")
   extra = set(data) - {"ici", "dcn", "accelerator", "description"}
   if extra:
     raise unknown(f"key in mesh file {path.name}", sorted(extra)[0],
