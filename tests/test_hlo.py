@@ -340,3 +340,34 @@ def test_collectives_sharing_a_channel_id_are_counted_apart(backend):
   assert len(gathers) == 2 and gathers[0].channel_id == gathers[1].channel_id
   assert hlo.collectives(text)["all-gather"] == hlo.Collective(
       count=2, bytes=2 * 8 * 32 * F32, ops=2)
+
+
+def test_an_instruction_spanning_lines_does_not_end_its_computation():
+  """The splash kernel's custom call prints `frontend_attributes={kernel_metadata={` and
+  closes it on a line that starts with "}}": the parser read that as the computation's end
+  and dropped everything after the kernel (the step FLOPs plan/auto ranks by came out a
+  seventh of the truth for flash programs). Here a matmul after the kernel, compiled for v5e:
+  every instruction line is read, and the dot FLOPs are the matmul's exactly."""
+  from shardlab.observe import hlo_flops
+  from shardlab.parallel import flash
+  from shardlab.plan.compiled import aot
+  from shardlab.sharding import rules as rules_lib
+  from shardlab.sharding.activations import activation_rules
+  mesh = Mesh(np.array(_tpu_devices()).reshape(4, 2), ("data", "tensor"))
+  shard = NamedSharding(mesh, P("data", None, "tensor"))
+  q = jax.ShapeDtypeStruct((8, 512, 4, 128), jnp.bfloat16, sharding=shard)
+  k = jax.ShapeDtypeStruct((8, 512, 2, 128), jnp.bfloat16, sharding=shard)
+  w = jax.ShapeDtypeStruct((128, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+
+  def f(q, k, v, w):  # forward only: one dot, after the kernel, in the same computation
+    out = flash.causal(q, k, v, platform="tpu")
+    return jnp.einsum("blhd,df->blhf", out, w, preferred_element_type=jnp.float32).sum()
+
+  with activation_rules(mesh, rules_lib.strategy("tp")), aot._compile_only("tpu"):
+    text = jax.jit(f).lower(q, k, k, w).compile().as_text()
+  assert "kernel_metadata={\n" in text  # the case: an attribute that spans lines
+  computations, _ = hlo.parse(text)
+  lines = [l for l in text.splitlines() if hlo._INSTRUCTION.match(l)]
+  assert sum(len(c) for c in computations.values()) == len(lines)
+  per_device = 8 // 4 * 512 * 4 // 2  # rows of (b, l, h) on one device
+  assert hlo_flops.dot_flops(text) == 2 * per_device * 128 * 256

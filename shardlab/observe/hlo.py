@@ -120,9 +120,20 @@ def _parse_instruction(line: str, computation: str) -> Instruction | None:
 
 
 def parse(hlo_text: str) -> tuple[dict[str, list[Instruction]], str | None]:
-  """Computations by name, and the entry computation's name."""
+  """Computations by name, and the entry computation's name. An instruction whose attributes
+  span lines (a Mosaic kernel's `frontend_attributes={kernel_metadata={` ... `}}`) is read
+  whole: a line that starts with "}" ends its computation only outside an instruction."""
   computations, entry, current = {}, None, None
+  pending, depth = "", 0
   for line in hlo_text.splitlines():
+    if pending and not _INSTRUCTION.match(line):
+      pending, depth = pending + "\n" + line, depth + _depth(line)
+      if depth > 0:
+        continue
+      line, pending = pending, ""
+    elif pending:  # a new instruction: the open one was not balanced after all
+      _add(computations, current, pending)
+      pending = ""
     m = _COMPUTATION.match(line)
     if m and "=" not in line.split("(")[0]:
       current = m.group(1)
@@ -134,10 +145,25 @@ def parse(hlo_text: str) -> tuple[dict[str, list[Instruction]], str | None]:
       current = None
       continue
     if current is not None:
-      instr = _parse_instruction(line, current)
-      if instr:
-        computations[current].append(instr)
+      depth = _depth(line)
+      if depth > 0:
+        pending = line
+        continue
+      _add(computations, current, line)
+  if pending:
+    _add(computations, current, pending)
   return computations, entry
+
+
+def _depth(line: str) -> int:
+  """Brackets a line leaves open (string contents are counted too: HLO's are balanced)."""
+  return line.count("{") - line.count("}") + line.count("(") - line.count(")")
+
+
+def _add(computations: dict, current: str | None, line: str) -> None:
+  instr = _parse_instruction(line, current) if current is not None else None
+  if instr:
+    computations[current].append(instr)
 
 
 def _trips_from_condition(instr: Instruction, computations: dict) -> int:
