@@ -81,6 +81,11 @@ def test_placement_and_replication_checks(mesh):
                                            r"\('embed', 'mlp'\): placed \(None, None\), "
                                            r"rules say \('fsdp', 'tensor'\)"):
     assert_placement(bad, names, rules, m)
+  # A leaf the names tree lacks is an error, not skipped: "b" replicated would otherwise pass
+  # unchecked (the zip of leaves with names stopped at the shorter tree).
+  unchecked = dict(good, b=jax.device_put(jnp.ones(32), rows_sharding(m)))
+  with pytest.raises(AssertionError, match=r"leaves without names \[\"\['b'\]\"\]"):
+    assert_placement(unchecked, {"w": names["w"]}, rules, m)
   assert_no_replicated_above(good, 1000)
   with pytest.raises(AssertionError, match=r"\['w'\] \(64, 32\) float32 \(8,192 bytes\)"):
     assert_no_replicated_above(bad, 1000)

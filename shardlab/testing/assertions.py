@@ -84,18 +84,27 @@ def _normalized(spec: PartitionSpec, ndim: int) -> tuple:
 def assert_placement(tree, names, rules, mesh: Mesh) -> None:
   """Every array leaf of `tree` has the sharding its logical names (a tree of name tuples
   with the same structure, e.g. `abstract.names`) get from `rules` (a Rules — its params
-  table — or a table dict) on `mesh`."""
-  wrong = []
+  table — or a table dict) on `mesh`. Leaves and names are matched by path: a leaf without
+  names (or names without a leaf) is an error, never skipped."""
   is_names = lambda x: isinstance(x, tuple)
-  for (path, leaf), leaf_names in zip(jax.tree_util.tree_flatten_with_path(tree)[0],
-                                      jax.tree.leaves(names, is_leaf=is_names)):
+  leaves = {jax.tree_util.keystr(p): leaf
+            for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  named = {jax.tree_util.keystr(p): n
+           for p, n in jax.tree_util.tree_flatten_with_path(names, is_leaf=is_names)[0]}
+  if leaves.keys() != named.keys():
+    raise AssertionError(
+        "the names tree does not match the tree: leaves without names "
+        f"{sorted(leaves.keys() - named.keys())}, names without a leaf "
+        f"{sorted(named.keys() - leaves.keys())}")
+  wrong = []
+  for path, leaf in leaves.items():
+    leaf_names = named[path]
     want = _normalized(_expected(leaf_names, leaf.shape, rules, mesh), leaf.ndim)
     sharding = leaf.sharding
     got = (_normalized(sharding.spec, leaf.ndim) if isinstance(sharding, NamedSharding)
            else repr(sharding))
     if got != want or (isinstance(sharding, NamedSharding) and sharding.mesh != mesh):
-      wrong.append(f"{jax.tree_util.keystr(path)} {leaf.shape} {tuple(leaf_names)}: "
-                   f"placed {got}, rules say {want}")
+      wrong.append(f"{path} {leaf.shape} {tuple(leaf_names)}: placed {got}, rules say {want}")
   if wrong:
     raise AssertionError(f"{len(wrong)} leaves misplaced:\n  " + "\n  ".join(wrong))
 
