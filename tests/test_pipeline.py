@@ -150,19 +150,30 @@ def test_compiled_step_permutes_over_stage_and_keeps_weights_local(case):
 
 
 def test_checkpoint_moves_between_stage_counts(tmp_path):
-  """Saved on 4 stages, restored on one device and on 8 stages: the same params."""
+  """Trained two steps (the first is warm-up's, at lr 0) on 4 stages and saved, params and
+  Adam moments; restored on one device and on 8 stages: the trained params exactly, and the
+  next step's update as on 4 stages (the moments came along: fresh ones would step
+  differently)."""
   init, _, _ = reference()
   four = run("circular-stage4-fsdp2")
-  state = four.fresh_state(like=init)
+  trained, _ = four.train(four.fresh_state(like=init), 2)
   saver = checkpoint.Checkpointer(tmp_path / "ckpt")
-  saver.save(state, force=True)
+  saver.save(trained, force=True)
   saver.wait()
+  want = to_numpy(trained.params)
+  assert not np.array_equal(want["embed_VxD"], init.params["embed_VxD"])  # it did train
+  next_four, _ = four.train(trained, 1, first_seed=2)
+  next_four = to_numpy(next_four.params)
   for target in (H.run("dp", "data:1", model=MODEL), run("gpipe-stage8")):
-    params, step = checkpoint.restore_params(tmp_path / "ckpt", target.abstract, target.sh)
-    assert step == 0
-    H.assert_trees_equal(to_numpy(params), init.params)
-    for leaf, sharding in zip(jax.tree.leaves(params), jax.tree.leaves(target.sh.state.params)):
+    state, _ = checkpoint.Checkpointer(tmp_path / "ckpt").restore(target.abstract, target.sh)
+    assert int(state.step) == 2
+    H.assert_trees_equal(to_numpy(state.params), want)
+    for leaf, sharding in zip(jax.tree.leaves(state.params),
+                              jax.tree.leaves(target.sh.state.params)):
       assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+    after, _ = target.train(state, 1, first_seed=2)
+    H.assert_trees_close(to_numpy(after.params), next_four, what="the step after restoring",
+                         **FP32_ADAM)
 
 
 def test_layers_must_divide_stages_times_repeats():
