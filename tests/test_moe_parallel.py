@@ -118,3 +118,35 @@ def test_all_to_all_over_the_expert_axis_only_under_expert_parallelism(dispatch)
   found = _all_to_alls(fsdp.compiled_step, fsdp.mesh)
   assert all("expert" not in axes for axes in found), found
   assert sum(found.values()) <= 2, found  # at most the embedding lookup's (decoder.embed)
+
+
+def test_expert_parallel_capacity_drops_what_each_device_alone_would():
+  """Capacity 0.5 on a router skewed to expert 0, so assignments are dropped (the model-level
+  tests run at a factor where none is). Under expert parallelism each device's tokens fill
+  its own capacity: the layer equals each device's batch rows run through the layer on one
+  device, drops included, and it does not equal the whole batch on one device (whose one
+  capacity drops other assignments)."""
+  import shardlab as sl
+  from shardlab.parallel import dispatch
+  from shardlab.sharding import rules as rules_lib
+  from shardlab.sharding.activations import activation_rules
+  rng = np.random.default_rng(0)
+  b, l, d, f, e, k = 8, 8, 16, 8, 8, 2
+  x = rng.normal(size=(b, l, d)).astype(np.float32)
+  experts = np.stack([np.where(rng.random((b, l)) < 0.6, 0, rng.integers(1, e, (b, l))),
+                      rng.integers(1, e, (b, l))], -1).astype(np.int32)
+  weights = rng.random((b, l, k)).astype(np.float32)
+  w = tuple(rng.normal(size=s).astype(np.float32) / 4 for s in ((e, d, f), (e, d, f), (e, f, d)))
+  layer = lambda *a: dispatch.run(*a, mode="capacity", capacity_factor=0.5)
+  mesh = sl.mesh("data:2,expert:4")
+  with activation_rules(mesh, rules_lib.strategy("dp")):
+    got, kept = jax.jit(layer)(x, experts, weights, w)
+  assert not np.asarray(kept).all()  # assignments were dropped
+  rows = b // mesh.size  # each device's batch rows, in device order along the batch
+  alone = [layer(x[i:i + rows], experts[i:i + rows], weights[i:i + rows], w)
+           for i in range(0, b, rows)]
+  np.testing.assert_array_equal(np.asarray(kept), np.concatenate([a[1] for a in alone]))
+  np.testing.assert_allclose(np.asarray(got), np.concatenate([a[0] for a in alone]),
+                             rtol=1e-5, atol=1e-6)
+  whole, whole_kept = layer(x, experts, weights, w)
+  assert not np.array_equal(np.asarray(whole_kept), np.asarray(kept))
