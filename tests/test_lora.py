@@ -299,8 +299,21 @@ def test_export_merges_the_adapters_only_when_asked(lora_checkpoint, tmp_path, c
 
 
 def test_generate_cli_uses_the_adapters(lora_checkpoint, capsys):
+  """The CLI's greedy continuation is the one the trained adapters give, which differs from
+  the base's alone (B zeroed): a generate that ignored the adapters would print the latter."""
+  import shardlab.cli.text as text_io
+  from shardlab import generate
   _, ckpt, _ = lora_checkpoint
-  args = ["--checkpoint", str(ckpt), "--prompt", "def f", "--max-new-tokens", "6",
+  args = ["--checkpoint", str(ckpt), "--prompt", "def f", "--max-new-tokens", "16",
           "--temperature", "0", "--quiet"]
   assert generate_cli.generate_main(args) == 0
-  assert capsys.readouterr().out.startswith("def f")
+  printed = capsys.readouterr().out
+  gen, params, cfg, _ = generate.from_checkpoint(str(ckpt))
+  tokenizer = text_io.tokenizer_of(cfg)
+  greedy = generate.Sampling(max_new_tokens=16, temperature=0, vocab=tokenizer.vocab_size)
+  base = jax.tree_util.tree_map_with_path(
+      lambda p, x: x * 0 if is_adapter(p) and state_lib.path_of(p)[-1] == "b" else x, params)
+  (adapted,), _ = text_io.texts(gen, params, tokenizer, ["def f"], greedy)
+  (alone,), _ = text_io.texts(gen, base, tokenizer, ["def f"], greedy)
+  assert adapted[0] != alone[0], adapted  # the adapters change the continuation
+  assert printed == "def f" + adapted[0] + "\n"
