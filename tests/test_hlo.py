@@ -348,7 +348,7 @@ def test_an_instruction_spanning_lines_does_not_end_its_computation():
   and dropped everything after the kernel (the step FLOPs plan/auto ranks by came out a
   seventh of the truth for flash programs). Here a matmul after the kernel, compiled for v5e:
   every instruction line is read, and the dot FLOPs are the matmul's exactly."""
-  from shardlab.observe import hlo_flops
+  from shardlab.observe import hlo_flops, hlo_text
   from shardlab.parallel import flash
   from shardlab.plan.compiled import aot
   from shardlab.sharding import rules as rules_lib
@@ -367,7 +367,7 @@ def test_an_instruction_spanning_lines_does_not_end_its_computation():
     text = jax.jit(f).lower(q, k, k, w).compile().as_text()
   assert "kernel_metadata={\n" in text  # the case: an attribute that spans lines
   computations, _ = hlo.parse(text)
-  lines = [l for l in text.splitlines() if hlo._INSTRUCTION.match(l)]
+  lines = [l for l in text.splitlines() if hlo_text._INSTRUCTION.match(l)]
   assert sum(len(c) for c in computations.values()) == len(lines)
   per_device = 8 // 4 * 512 * 4 // 2  # rows of (b, l, h) on one device
   assert hlo_flops.dot_flops(text) == 2 * per_device * 128 * 256
