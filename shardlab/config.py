@@ -157,6 +157,7 @@ class Config:
   rules: dict = dataclasses.field(default_factory=dict)
   metrics_file: str | None = None
   run_dir: str | None = None  # metrics.jsonl (unless metrics_file), TensorBoard, plot, profile/
+  loggers: str = "tensorboard"  # or "tensorboard,wandb,mlflow", "none" (observe/trackers.py)
   profile_steps: str | None = None  # "A:B": a jax.profiler trace of steps A+1..B in run_dir
 
 
