@@ -6,6 +6,9 @@
     shardings = sl.shardings(abstract, sl.strategy("fsdp_tp"), mesh)
     state = sl.init(abstract, shardings)
     step = sl.train_step(my_loss, abstract, shardings)
+    state, summary = sl.fit(lambda: MyModel(nnx.Rngs(0)), my_loss, optax.adamw(1e-3),
+                            batch_fn, steps=100, mesh=mesh, strategy="fsdp_tp",
+                            run_dir="runs/mine")  # the run machinery of train.py
 
 Names resolve lazily, so `import shardlab` starts nothing and imports no JAX module until a
 name is used (simulated devices can still be set up after it).
@@ -29,6 +32,7 @@ _API = {
     "train_step": ("shardlab.training.step", "make_train_step"),
     "eval_step": ("shardlab.training.step", "make_eval_step"),
     "Checkpointer": ("shardlab.training.checkpoint", "Checkpointer"),
+    "fit": ("shardlab.training.fit", "fit"),  # the run machinery of train.py, for any module
     # the bundled models' runs, configured
     "Config": ("shardlab.config", "Config"),
     "setup": ("shardlab.training.run", "setup"),

@@ -29,9 +29,11 @@ def step_fields(record: dict, total: int) -> dict[str, str]:
   """step, loss, lr, grad norm, throughput, MFU and ETA of one logged step, as text."""
   eta = record["step_time_s"] * (total - record["step"])
   fields = {"step": f"step {record['step']:>{len(str(total))}}/{total}", "loss": f"loss {record['loss']:.4f}",
-            "lr": f"lr {record['lr']:.2e}", "grad_norm": f"grad_norm {record['grad_norm']:.3f}",
+            "lr": f"lr {record['lr']:.2e}" if "lr" in record else "",  # sl.fit: a schedule's
+            "grad_norm": f"grad_norm {record['grad_norm']:.3f}",
             "tok/s": f"{record['tokens_per_s']:,.0f} tok/s",
             "ms/step": f"{record['step_time_s'] * 1e3:.0f} ms/step"}
+  fields = {k: v for k, v in fields.items() if v}
   if "tflops_per_device" in record:
     fields["TFLOP/s"] = f"{record['tflops_per_device']:.3g} TFLOP/s/dev"
   if "mfu" in record:

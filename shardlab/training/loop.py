@@ -1,22 +1,17 @@
-"""The training loop: set up a run from a Config, train, checkpoint, report held-out loss."""
+"""A bundled model's run from a Config: set up, then trained by the one loop
+(training/driver.py, which `sl.fit` runs too), checkpointed, its held-out loss reported."""
 
-import contextlib
-import time
 from typing import Callable
 
 import jax
 
 from shardlab import config as config_lib
 from shardlab.config import Config
-from shardlab.errors import ConfigError
-from shardlab.observe import goodput, profiling, step_report, throughput
-from shardlab.observe.progress import Activity, Progress
-from shardlab.runtime import distributed
+from shardlab.observe import goodput
+from shardlab.observe.progress import Progress
 from shardlab.sharding import idle
-from shardlab.training import checkpoint, schedule
-from shardlab.training.preemption import StopRequest
-from shardlab.training.reporting import Logger, finish, nothing_to_train, report_end, run_paths
-from shardlab.training.nonfinite import NonFiniteGuard, last_good
+from shardlab.training import checkpoint, driver, schedule
+from shardlab.training.nonfinite import NonFiniteGuard
 from shardlab.training.run import Run, completed, init
 from shardlab.training.run import resume_check, setup
 
@@ -43,12 +38,6 @@ def describe(run: Run) -> str:
                       cfg.train.pipeline_schedule),
       f"data     {run.feed.describe()}",
   ])
-
-
-def compiled_report(run: Run, state, first_batch) -> tuple[object, step_report.StepReport]:
-  """The compiled train step and its report (collectives with mesh axes, XLA memory)."""
-  compiled = run.train_step.lower(state, first_batch).compile()
-  return compiled, step_report.report(compiled, run.mesh)
 
 
 def _start_state(run: Run, ckpt, progress: Progress, sources: ParamSources,
@@ -78,62 +67,44 @@ def _start_state(run: Run, ckpt, progress: Progress, sources: ParamSources,
   return state, 0, 0, None
 
 
-def _loop(run: Run, compiled, state, first_step, inputs, ckpt, logger, profile,
-          stop_after, guard: NonFiniteGuard, ledger: goodput.Ledger):
-  """Steps until the last (or a stop); returns (state, steps done, signal name or None,
-  skipped steps). The non-finite counts are fetched only at log steps and before saves
-  (there they cost no extra wait), so no checkpoint is written after a non-finite step.
-  Its time is productive but for the waits for data, the blocking part of saves and the
-  evaluations (goodput phases); the fetches that end a step's wait stay productive."""
-  t, config_json, done = run.cfg.train, config_lib.to_dict(run.cfg), first_step
-  clock = ledger.clock
-  counts = guard.fetch()
-  with StopRequest() as stop, clock.phase("productive"):
-    for step in range(first_step, t.steps):
-      with clock.phase("data_wait"):
-        x = inputs.get(step)
-      profile.before(step)
-      state, metrics = compiled(state, x)
-      guard.after_step(metrics)
-      done = clock.last_step = step + 1
-      profile.after(done, state)
-      stopping = stop.due(done) or (stop_after and done - first_step >= stop_after)
-      saving = ckpt is not None and ckpt.due(done, bool(stopping) or done == t.steps)
-      if logger.due(done) or saving:
-        counts = guard.fetch()
-        if logger.due(done):
-          logger.log(done, metrics, counts)
-          ledger.update()
-        guard.check(counts, lambda: last_good(ckpt))
-        if ckpt is not None:
-          with clock.phase("checkpoint"):
-            ckpt.check()  # a save that failed in the background ends the run now
-      if saving:
-        with clock.phase("checkpoint"):
-          ckpt.save(state, config_json, _progress(run, done, counts["bad"]), force=True)
-      if t.eval_every and done % t.eval_every == 0 and done < t.steps:
-        jax.block_until_ready(state)  # the step's own time stays productive
-        with clock.phase("eval"):
-          _evaluate(run, state, done, logger)
-      if stopping:
-        break
-    if ckpt is not None:
-      with clock.phase("checkpoint"):
-        ckpt.wait()
-  return state, done, stop.signal_name, counts["bad"]
+class Bundled:
+  """A bundled model's Run as a job of the one loop (training/driver.py)."""
 
+  def __init__(self, run: Run, sources: ParamSources, allow_config_change: bool):
+    self.run, self.cfg, self.sources, self.allow = run, run.cfg, sources, allow_config_change
+    self.mesh, self.train_step, self.unit = run.mesh, run.train_step, run.feed.unit
+    self.title = f"{run.cfg.model.name} {run.cfg.strategy} on {run.cfg.mesh}"
 
-def _compile(run: Run, state, first_batch, progress: Progress, start: float,
-             clock: goodput.Clock):
-  with Activity("compiling the train step", progress), clock.phase("compile"):
-    compiled, report = compiled_report(run, state, first_batch)
-  progress.message(f"compiled the train step in {time.perf_counter() - start:.1f} s")
-  progress.message("\n".join(step_report.render(report)))
-  with Activity("measuring the peak FLOP/s", progress):
-    rates = throughput.for_run(run.flops_per_step(), run.mesh.size,
-                               list(run.mesh.devices.flat))
-  progress.message(f"flops    {rates.describe()}")
-  return compiled, report, rates
+  def describe(self) -> str:
+    warnings = idle.warnings(self.run.shardings.rules, dict(self.mesh.shape))
+    return "\n".join([describe(self.run), *warnings])
+
+  def start(self, ckpt, progress: Progress, clock: goodput.Clock):
+    return _start_state(self.run, ckpt, progress, self.sources, self.allow, clock)
+
+  def inputs(self, first_step: int, saved: dict | None):
+    return self.run.inputs(first_step, saved)
+
+  def flops_per_step(self) -> float:
+    return self.run.flops_per_step()
+
+  def tokens_per_step(self, batch) -> float:
+    return self.cfg.train.global_batch * self.cfg.train.seq_len
+
+  def held_out_loss(self, params) -> float:
+    return self.run.held_out_loss(params)
+
+  def baseline(self) -> dict:
+    return {"unigram_loss": self.run.feed.unigram_loss()}
+
+  def config_json(self) -> dict:
+    return config_lib.to_dict(self.cfg)
+
+  def progress(self, step: int, skipped: int = 0) -> dict:
+    return _progress(self.run, step, skipped)
+
+  def guard(self, first_step: int, skipped: int) -> NonFiniteGuard:
+    return NonFiniteGuard(self.cfg.train, self.mesh, first_step, skipped)
 
 
 def train(cfg: Config, quiet: bool = False, fresh: bool = False, overwrite: bool = False,
@@ -144,91 +115,12 @@ def train(cfg: Config, quiet: bool = False, fresh: bool = False, overwrite: bool
   and resuming checkpoints when `cfg.checkpoint.dir` is set; returns a summary. A finished
   run reports its held-out loss, then `on_finish(run, state, progress)` adds to it. A resume
   refuses changed settings (config.RESUME_FIELDS) unless `allow_config_change`; a
-  non-finite step raises NonFiniteError (train.nonfinite). Its wall time up to the summary
-  is split into goodput phases (observe/goodput.py), kept in run_dir across restarts."""
-  clock = goodput.Clock()
-  # Without a checkpoint directory (or with --fresh) nothing earlier is continued.
-  ledger = goodput.Ledger(cfg.run_dir if distributed.is_leader() else None, clock,
-                          new_run=fresh or not cfg.checkpoint.dir)
-  paths = run_paths(cfg)
-  profile = profiling.Window(profiling.parse_steps(cfg.profile_steps, cfg.train.steps),
-                             paths.profile)
-  run, progress, ckpt = _set_up(cfg, quiet, fresh, overwrite)
-  start = time.perf_counter()
-  state, first_step, skipped, saved = _start_or_close(
-      run, ckpt, progress, param_sources or {}, allow_config_change, clock)
-  clock.first_step = clock.last_step = first_step
-  if first_step >= cfg.train.steps:
-    return nothing_to_train(cfg, first_step, progress, ckpt, ledger)
-  inputs = run.inputs(first_step, saved)
-  with clock.phase("data_wait"):
-    first_batch = inputs.peek(first_step)
-  compiled, report, rates = _compile(run, state, first_batch, progress, start, clock)
-  ledger.update(force=True)
-  logger = Logger(cfg, paths, progress, rates, first_step, inputs)
-  guard = NonFiniteGuard(cfg.train, run.mesh, first_step, skipped)
-  logger.skipped = skipped  # a resumed run warns only about steps it skips itself
-  try:
-    state, done, signal, skipped = _loop(run, compiled, state, first_step, inputs, ckpt,
-                                         logger, profile, stop_after, guard, ledger)
-  except BaseException as error:
-    logger.file.close()
-    with contextlib.suppress(OSError):  # the error, not a full disk here, is the news
-      ledger.end("interrupted" if isinstance(error, KeyboardInterrupt) else "error")
-    raise
-  finally:
-    inputs.close()
-    progress.close()
-    profile.stop(state)
-    if ckpt is not None:
-      with clock.phase("checkpoint"):
-        ckpt.close()
-  # The metrics file stays open for the goodput and the final held-out loss.
-  summary = finish(run, state, done - first_step, done, signal, logger, progress, paths,
-                   ledger)
-  logger.file.close()
-  summary["compiled"] = report.as_dict()
-  if cfg.train.nonfinite == "skip":
-    summary["skipped_steps"] = skipped
-  if ckpt is not None:
-    summary["checkpoint"] = f"; checkpoint saved at step {done} in {ckpt.directory}"
-  report_end(run, summary, profile, progress, start)
-  if "held_out_loss" in summary and on_finish is not None:
-    summary.update(on_finish(run, state, progress))
-  return summary
-
-
-def _set_up(cfg: Config, quiet: bool, fresh: bool, overwrite: bool):
-  """(run, progress bar, Checkpointer or None), the checkpoint directory checked first."""
-  if cfg.checkpoint.dir:
-    checkpoint.prepare(cfg.checkpoint.dir, fresh, overwrite)
-  elif fresh or overwrite:
-    raise ConfigError("--fresh and --overwrite need --checkpoint-dir")
-  run = setup(cfg)
-  progress = Progress(cfg.train.steps, quiet=quiet, silent=not distributed.is_leader())
-  progress.message(describe(run))
-  for line in idle.warnings(run.shardings.rules, dict(run.mesh.shape)):
-    progress.message(line)
-  return run, progress, checkpoint.Checkpointer(cfg.checkpoint) if cfg.checkpoint.dir else None
-
-
-def _start_or_close(run: Run, ckpt, progress: Progress, sources: ParamSources, allow: bool,
-                    clock: goodput.Clock):
-  """_start_state, closing the bar and the checkpointer if it refuses."""
-  try:
-    return _start_state(run, ckpt, progress, sources, allow, clock)
-  except BaseException:
-    progress.close()
-    if ckpt is not None:
-      ckpt.close()
-    raise
-
-
-def _evaluate(run: Run, state, done: int, logger: Logger) -> None:
-  """train.eval_every: the held-out loss now; its time is not counted as step time."""
-  start = time.perf_counter()
-  logger.evaluated(done, run.held_out_loss(state.params))
-  logger.last_time += time.perf_counter() - start
+  non-finite step raises NonFiniteError (train.nonfinite). The loop is training/driver.py's,
+  the one `sl.fit` runs too."""
+  build = lambda: Bundled(setup(cfg), param_sources or {}, allow_config_change)
+  finished = None if on_finish is None else (
+      lambda job, state, progress: on_finish(job.run, state, progress))
+  return driver.drive(cfg, build, quiet, fresh, overwrite, stop_after, finished)[2]
 
 
 def _progress(run: Run, step: int, skipped: int = 0) -> dict:

@@ -1,7 +1,8 @@
 """A language-model run built from a Config: mesh, rules, abstract state, shardings, the
 jitted steps and the data. `setup(cfg)` wires a bundled model (its config dataclass is
 `cfg.model`, keeping the contract of models/protocol.py); your own module goes through the
-`abstract_state` / `shardings` / `init` / `train_step` API directly; `place(cfg)` is the
+`abstract_state` / `shardings` / `init` / `train_step` API directly, or `sl.fit` (fit.py:
+the same loop, driver.py, as a Config's run); `place(cfg)` is the
 one path from a Config to a placed abstract state. Also here: the config check of a resume
 (the non-finite guard is training/nonfinite.py's).
 """
