@@ -17,6 +17,7 @@ import numpy as np
 
 from shardlab.config import DataConfig
 from shardlab.errors import ConfigError
+from shardlab.data import outdir, records
 
 VOCAB = 256
 
@@ -45,13 +46,26 @@ def _files(cfg: DataConfig) -> tuple[list[Path], str]:
     raise ConfigError(f"data.corpus {cfg.corpus!r} does not exist; give a text file, a "
                       f"directory of text files, or 'stdlib'")
   if path.is_dir():  # regular files only: a FIFO or device inside would block or never end
-    return sorted(p for p in path.rglob("*") if p.is_file()), str(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file())
+    outdir.refuse_unfinished(files)  # an interrupted prepare's shards are not text
+    _refuse_records(files)
+    return files, str(path)
   mode = path.stat().st_mode
   if not stat.S_ISREG(mode):
     raise ConfigError(f"data.corpus {cfg.corpus!r} is a {_kind(mode)}, not a regular file: "
                       f"reading it could block or never end; give a text file, a directory "
                       f"of text files, or 'stdlib'")
   return [path], str(path)
+
+
+def _refuse_records(files: list[Path]) -> None:
+  """Parquet and Arrow files are records, not text: read as bytes they would train on
+  their binary encoding."""
+  found = next((f for f in files if records.is_record_file(f)), None)
+  if found is not None:
+    raise ConfigError(f"data.corpus holds {found}, a Parquet/Arrow file, which is not text: "
+                      f"give the file itself as data.corpus, or prepare the directory with "
+                      f"`shardlab data prepare` (docs/data.md)")
 
 
 def _kind(mode: int) -> str:

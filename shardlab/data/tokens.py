@@ -1,19 +1,19 @@
-"""Tokenized documents: read text (files, directories, JSONL), tokenize once in parallel,
-write shards plus an index (`shardlab data prepare`), and read them back memory-mapped.
+"""Tokenized documents: read text (files, directories, JSONL; Parquet, Arrow and `datasets`
+directories in records.py), tokenize once in parallel (workers.py), write shards plus an
+index (`shardlab data prepare`), and read them back memory-mapped.
 
-A prepared directory holds index.json, a copy of the tokenizer, and per split (`train`,
-`held_out`) shards `<split>-NNNNN.npy` (the token ids, uint16 or uint32, documents
-back to back, each followed by EOS when the tokenizer has one) with
+A prepared directory holds index.json (written last: outdir.py), a copy of the tokenizer,
+and per split (`train`, `held_out`) shards `<split>-NNNNN.npy` (the token ids, uint16 or
+uint32, documents back to back, each followed by EOS when the tokenizer has one) with
 `<split>-NNNNN.docs.npy` (each document's start offset). A shard ends at a document
 boundary. nanoGPT-style token files (`.bin`: raw uint16; `.npy`) are read as one stream,
 split into documents after each EOS.
 """
 
-import concurrent.futures
 import dataclasses
 import json
-import multiprocessing
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -23,9 +23,10 @@ from typing import Iterator
 import numpy as np
 
 from shardlab.errors import ConfigError
+from shardlab.data import outdir, records, workers as workers_lib
 from shardlab.data import tokenizer as tokenizer_lib
 
-INDEX = "index.json"
+INDEX = outdir.INDEX
 SPLITS = ("train", "held_out")
 TOKEN_FILES = (".bin", ".npy")
 
@@ -34,23 +35,32 @@ TOKEN_FILES = (".bin", ".npy")
 class Shard:
   tokens: np.ndarray  # 1-D ids (memory-mapped when read from disk)
   doc_starts: np.ndarray  # int64 offsets into `tokens`, ascending, the first 0
+  loss_mask: np.ndarray | None = None  # chat data: 1 where a token is trained on (data/chat.py)
 
 
 def documents(source: str, text_field: str = "text", max_bytes: int | None = None,
               stdlib_files=None) -> Iterator[str]:
   """The documents of a text source: each file of a file or directory (or of `stdlib_files`
-  for "stdlib"), or each line's `text_field` of a .jsonl file; at most `max_bytes` of text."""
+  for "stdlib"), each line's `text_field` of a .jsonl file, or each row's `text_field`
+  column of a Parquet or Arrow file or a `datasets` save_to_disk directory; at most
+  `max_bytes` of text. The source is checked now, its files read as they are iterated."""
   files = stdlib_files if source == "stdlib" else _text_files(source)
+  return _read(files, text_field, max_bytes)
+
+
+def _read(files: list[Path], text_field: str, max_bytes: int | None) -> Iterator[str]:
   budget = max_bytes or sys.maxsize
   for path in files:
     if budget <= 0:
       return
-    if path.suffix == ".jsonl":
-      for n, line in enumerate(path.open(encoding="utf-8", errors="replace")):
-        if line.strip() and budget > 0:
-          text = _field(line, text_field, path, n + 1)
-          budget -= len(text)
-          yield text
+    if path.suffix == ".jsonl" or records.is_record_file(path):
+      rows = (records.texts(path, text_field) if records.is_record_file(path)
+              else _jsonl(path, text_field))
+      for text in rows:
+        if budget <= 0:
+          break
+        budget -= len(text)
+        yield text
       continue
     with open(path, "rb") as stream:
       data = stream.read(budget if max_bytes else -1)
@@ -58,14 +68,33 @@ def documents(source: str, text_field: str = "text", max_bytes: int | None = Non
     yield data.decode("utf-8", errors="replace")
 
 
+def _jsonl(path: Path, text_field: str) -> Iterator[str]:
+  with path.open(encoding="utf-8", errors="replace") as stream:
+    for n, line in enumerate(stream):
+      if line.strip():
+        yield _field(line, text_field, path, n + 1)
+
+
+def is_records(source: str) -> bool:
+  """Whether `source` is read as records of a text field (not as whole text files)."""
+  path = Path(source)
+  return (source.endswith(".jsonl") or records.is_record_file(path)
+          or (path.is_dir() and records.is_dataset_dir(path)))
+
+
 def _text_files(source: str) -> list[Path]:
   path = Path(source)
   if path.is_dir():
-    return sorted(p for p in path.rglob("*") if p.is_file())
+    if records.is_dataset_dir(path):
+      return records.dataset_files(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file())
+    outdir.refuse_unfinished(files)
+    return files
   if path.is_file():
     return [path]
   raise ConfigError(f"data.corpus {source!r} does not exist; give a text file, a directory "
-                    f"of text files, a .jsonl file, a prepared directory, a .bin/.npy token "
+                    f"of text files, a .jsonl, .parquet or .arrow file, a datasets "
+                    f"save_to_disk directory, a prepared directory, a .bin/.npy token "
                     f"file, or 'stdlib'")
 
 
@@ -147,10 +176,7 @@ def tokenize(docs: Iterator[str], tokenizer_spec: str, held_out_fraction: float,
   writers = {s: _Writer(s, out, shard_tokens, dtype) for s in SPLITS}
   workers = workers or os.cpu_count() or 1
   start, last, n, total = time.perf_counter(), 0.0, 0, 0
-  # spawn, not fork: the caller may be a (multithreaded) JAX process
-  with concurrent.futures.ProcessPoolExecutor(
-      workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
-      initargs=(tokenizer_spec,)) as pool:
+  with workers_lib.Pool(workers, _start_worker, (tokenizer_spec,)) as pool:
     for encoded in pool.map(_encode_chunk, _chunks(docs, 64)):
       for ids in encoded:
         held = int((n + 1) * held_out_fraction) > int(n * held_out_fraction)
@@ -170,30 +196,51 @@ def tokenize(docs: Iterator[str], tokenizer_spec: str, held_out_fraction: float,
 
 def prepare(source: str, out: str | Path, tokenizer_spec: str, text_field: str = "text",
             held_out_fraction: float = 0.02, workers: int = 0, shard_tokens: int = 2**27,
-            max_bytes: int | None = None, say=None, stdlib_files=None) -> dict:
+            max_bytes: int | None = None, say=None, stdlib_files=None,
+            overwrite: bool = False) -> dict:
   """`shardlab data prepare`: tokenizes `source` into shards + index.json under `out`
-  (which must be empty or new); returns the index."""
+  (new or empty; with `overwrite`, an earlier prepare's output, finished or not, is
+  replaced); returns the index. The index is written last (outdir.py): until then `out`
+  is an unfinished prepare, and after a failure (not an interruption) it is removed."""
   out = Path(out)
-  if out.exists() and any(out.iterdir()):
-    raise ConfigError(f"output directory {str(out)!r} is not empty; choose another")
-  out.mkdir(parents=True, exist_ok=True)
-  tok = tokenizer_lib.load(tokenizer_spec)
-  writers = tokenize(documents(source, text_field, max_bytes, stdlib_files), tokenizer_spec,
-                     held_out_fraction, out, workers, shard_tokens, say)
-  path = tokenizer_lib.find(tokenizer_spec)
-  if path is not None:
-    shutil.copy2(path, out / path.name)
-  index = {"format": 1, "source": str(source), "tokenizer": path.name if path else "bytes",
-           "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
-           "dtype": tokenizer_lib.token_dtype(tok.vocab_size).name,
-           "splits": {s: w.files for s, w in writers.items()}}
-  if not index["splits"]["held_out"] or not index["splits"]["train"]:
-    shutil.rmtree(out)  # nothing usable: a rerun with other settings may use the name
-    raise ConfigError(f"{source} gave too few documents for a train and a held-out split "
-                      f"(data.held_out_fraction {held_out_fraction}); give more text or a "
-                      f"larger fraction")
-  (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+  for name, value, low in (("--workers", workers, 0), ("--shard-tokens", shard_tokens, 1),
+                           ("--max-bytes", 1 if max_bytes is None else max_bytes, 1)):
+    if value < low:  # 0 workers: one per core; no --max-bytes: all the text
+      raise ConfigError(f"{name} must be >= {low}, got {value}")
+  tok = tokenizer_lib.load(tokenizer_spec)  # settings checked before `out` is touched
+  docs = documents(source, text_field, max_bytes, stdlib_files)
+  outdir.claim(out, overwrite, _command(source, out, tokenizer_spec, text_field,
+                                        held_out_fraction, workers, shard_tokens, max_bytes))
+  try:
+    writers = tokenize(docs, tokenizer_spec, held_out_fraction, out, workers, shard_tokens, say)
+    path = tokenizer_lib.find(tokenizer_spec)
+    if path is not None:
+      shutil.copy2(path, out / path.name)
+    index = {"format": 1, "source": str(source), "tokenizer": path.name if path else "bytes",
+             "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+             "dtype": tokenizer_lib.token_dtype(tok.vocab_size).name,
+             "splits": {s: w.files for s, w in writers.items()}}
+    if not index["splits"]["held_out"] or not index["splits"]["train"]:
+      raise ConfigError(f"{source} gave too few documents for a train and a held-out split "
+                        f"(data.held_out_fraction {held_out_fraction}); give more text or a "
+                        f"larger fraction")
+    outdir.finish(out, index)
+  except ConfigError:
+    shutil.rmtree(out, ignore_errors=True)  # nothing usable: a rerun may use the name
+    raise
   return index
+
+
+def _command(source, out, tokenizer_spec, text_field, held_out_fraction, workers,
+             shard_tokens, max_bytes) -> str:
+  """The command line that redoes this prepare (saved in its marker, for the message that
+  refuses an unfinished one)."""
+  given = [("--tokenizer", tokenizer_spec, "bytes"), ("--text-field", text_field, "text"),
+           ("--held-out-fraction", held_out_fraction, 0.02), ("--workers", workers, 0),
+           ("--shard-tokens", shard_tokens, 2**27), ("--max-bytes", max_bytes, None)]
+  flags = [str(x) for name, value, default in given if value != default
+           for x in (name, value)]
+  return shlex.join(["shardlab", "data", "prepare", str(source), str(out), *flags])
 
 
 def is_prepared(source: str) -> bool:
@@ -206,7 +253,8 @@ def read_prepared(directory: str | Path) -> tuple[dict, dict[str, list[Shard]]]:
   try:
     index = json.loads((directory / INDEX).read_text())
     splits = {s: [Shard(np.load(directory / f["tokens"], mmap_mode="r"),
-                        np.load(directory / f["docs"]))
+                        np.load(directory / f["docs"]),
+                        np.load(directory / f["mask"], mmap_mode="r") if "mask" in f else None)
                   for f in index["splits"][s]] for s in SPLITS}
   except (OSError, KeyError, ValueError, json.JSONDecodeError) as e:
     raise ConfigError(f"{directory} is not a complete prepared data directory "
