@@ -1,65 +1,10 @@
-"""Compiling a step for `explain`, with the SPMD partitioner's warnings caught.
+"""Compiling a step for `explain`, with the SPMD partitioner's warnings caught
+(observe/xla_log.py): what XLA logged is written back to stderr, so nothing is hidden, and
+its involuntary rematerialisations become rows."""
 
-XLA logs "[SPMD] Involuntary full rematerialization ..." from C++ straight to file
-descriptor 2 while it partitions: nothing in Python sees it, and in a long log nobody does.
-The compile here points fd 2 at a temporary file for its duration, then writes what came
-out back to the real stderr (so nothing is hidden) and parses the warnings.
-"""
-
-import contextlib
 import dataclasses
-import os
-import re
-import sys
-import tempfile
 
-from shardlab.observe import hlo_source
-
-_REMAT = re.compile(r"Involuntary full rematerialization.*?(?=\n[EWIF]\d{4} |\Z)", re.S)
-_FROM_TO = re.compile(r"from sharding (\{.*?\}) to (\{.*?\})")
-_OPERATION = re.compile(r"HLO operation:?\s*%?([\w.\-]+)\s*=\s*(\w+\[[\d,]*\])")
-
-
-@dataclasses.dataclass(frozen=True)
-class RematWarning:
-  text: str
-  source: str  # "sharding → sharding"
-  target: str
-  instruction: str
-  shape: str  # the HLO type text of the tensor rematerialised, "" if not printed
-  frames: tuple  # hlo_source.Frame, innermost first
-
-
-@contextlib.contextmanager
-def captured_stderr(out: list):
-  """Collects what is written to fd 2 (C++ logging included) into `out[0]`."""
-  sys.stderr.flush()
-  saved = os.dup(2)
-  with tempfile.TemporaryFile() as f:
-    os.dup2(f.fileno(), 2)
-    try:
-      yield
-    finally:
-      sys.stderr.flush()
-      os.dup2(saved, 2)
-      os.close(saved)
-      f.seek(0)
-      text = f.read().decode(errors="replace")
-      out.append(text)
-      sys.stderr.write(text)  # passed on: the capture only reads it
-
-
-def warnings(text: str) -> list[RematWarning]:
-  out = []
-  for m in _REMAT.finditer(text):
-    body = m.group(0)
-    ft, op = _FROM_TO.search(body), _OPERATION.search(body)
-    line = re.search(r'source_file="([^"]+)"\s+source_line=(\d+)', body)
-    frames = (hlo_source.Frame(line.group(1), int(line.group(2))),) if line else ()
-    out.append(RematWarning(" ".join(body.split())[:400], ft.group(1) if ft else "?",
-                            ft.group(2) if ft else "?", op.group(1) if op else "",
-                            op.group(2) if op else "", frames))
-  return out
+from shardlab.observe.xla_log import RematWarning, captured, warnings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +29,7 @@ def compiled_text(program, args) -> Compiled:
   else:
     return Compiled(program.as_text(), "", [], arguments(program), memory(program))
   err: list[str] = []
-  with captured_stderr(err):
+  with captured(err):
     compiled = lowered.compile()
   return Compiled(compiled.as_text(), lowered.as_text(debug_info=True), warnings(err[0]),
                   arguments(compiled), memory(compiled))
