@@ -6,6 +6,9 @@ A batch is the B×(L+1) token array, or a dict with `tokens` and, for packed doc
 `segment_ids` (B×(L+1), 0 for padding) and optionally `positions` (restarting per document;
 derived from the segment ids when absent). Then `hidden` also takes positions and segment
 ids, and a target in another document than its input (or padding) does not count.
+Chat data adds `loss_mask` (B×(L+1), 1 on assistant tokens: data/chat.py): a target counts
+only where the mask is 1, and the loss is the mean over the counted targets (their weights'
+sum; a batch with none has loss 0 and zero gradients).
 A model with `hidden_and_losses` (same inputs; returns the stream, an auxiliary loss and a
 dict of metrics: models/moe.py) has its auxiliary loss added, and the loss comes back as
 (loss, metrics) with the cross-entropy among the metrics.
@@ -24,7 +27,7 @@ from shardlab.models.decoder import logits as logits_of
 from shardlab.parallel import cross_entropy, document_positions
 from shardlab.parallel import pipeline_1f1b_active, pipeline_1f1b_loss
 
-BATCH_KEYS = ("tokens", "segment_ids", "positions")
+BATCH_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
 
 
 def next_token_loss(model, batch, chunk: int = 0):
@@ -76,7 +79,14 @@ def _unpack(model, batch):
   extra = set(batch) - set(BATCH_KEYS)
   if extra or "tokens" not in batch:
     raise ConfigError(f"a batch dict has keys {sorted(batch)}; valid: 'tokens' (required), "
-                      f"'segment_ids', 'positions'")
+                      f"'segment_ids', 'positions', 'loss_mask'")
+  mask = batch.get("loss_mask")
+  if mask is not None:  # a target counts where its token is trained on (chat: assistant turns)
+    inputs, targets_BxL, weights_BxL = _unpack(model, {k: v for k, v in batch.items()
+                                                       if k != "loss_mask"})
+    counted_BxL = mask[:, 1:].astype(jnp.float32)
+    return inputs, targets_BxL, (counted_BxL if weights_BxL is None
+                                 else weights_BxL * counted_BxL)
   tokens, segments = batch["tokens"], batch.get("segment_ids")
   if segments is None:
     return _unpack(model, tokens)

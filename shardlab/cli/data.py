@@ -2,7 +2,10 @@
 BPE tokenizer (docs/data.md)."""
 
 import argparse
+import signal
 import sys
+import threading
+from pathlib import Path
 
 from shardlab.cli.args import run_command
 from shardlab.errors import ConfigError
@@ -19,24 +22,41 @@ def data_parser(prog: str = "shardlab data") -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog=prog, description="Prepare tokenized training data.",
                               epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = p.add_subparsers(dest="command", required=True, metavar="{prepare,train-bpe}")
-  q = sub.add_parser("prepare", help="SRC (text file/dir, .jsonl, or stdlib) → OUT: token "
-                                     "shards + index.json, tokenized in parallel")
-  q.add_argument("source")
-  q.add_argument("out")
+  text = ("SRC (text file/dir, .jsonl, .parquet, .arrow, a datasets save_to_disk dir, or "
+          "stdlib) → OUT: token shards + index.json, tokenized in parallel")
+  q = sub.add_parser("prepare", help=text, description=text)
+  q.add_argument("source", help="what to read (see the formats above)")
+  q.add_argument("out", help="the directory to write the shards to (train.py's data.corpus)")
   q.add_argument("--tokenizer", default="bytes",
                  help="bytes | a tokenizer.json | a SentencePiece .model | an HF model dir")
-  q.add_argument("--text-field", default="text", help="the text of a .jsonl record")
+  q.add_argument("--text-field", default="text",
+                 help="the text of a .jsonl record, or the text column of a Parquet, Arrow "
+                      "or datasets source (default text)")
   q.add_argument("--held-out-fraction", type=float, default=0.02,
                  help="every ⌈1/f⌉-th document goes to the held-out split (default 0.02)")
   q.add_argument("--workers", type=int, default=0, help="tokenizing processes (0: per core)")
-  q.add_argument("--shard-tokens", type=int, default=2**27, help="tokens per shard file")
+  q.add_argument("--shard-tokens", type=int, default=2**27,
+                 help="tokens per shard file (default 2**27 = %(default)s)")
   q.add_argument("--max-bytes", type=int, help="read at most this much text")
-  q = sub.add_parser("train-bpe", help="SRC → a byte-level BPE tokenizer.json")
-  q.add_argument("source")
-  q.add_argument("out")
-  q.add_argument("--vocab-size", type=int, default=2048)
+  q.add_argument("--overwrite", action="store_true",
+                 help="replace OUT if an earlier prepare wrote it, finished or interrupted "
+                      "(default: refuse an OUT that is not empty)")
+  q.add_argument("--format", default="auto", choices=("auto", "text", "chat"),
+                 help="chat: a .jsonl of conversations rendered with the tokenizer's chat "
+                      "template, the loss on assistant turns only (docs/fine-tuning.md); "
+                      "auto: chat when the first .jsonl record has --messages-field "
+                      "(default auto)")
+  q.add_argument("--messages-field", default="messages",
+                 help="the conversation (a list of role/content messages) of a chat .jsonl "
+                      "record (default messages)")
+  text = "SRC → a byte-level BPE tokenizer.json"
+  q = sub.add_parser("train-bpe", help=text, description=text)
+  q.add_argument("source", help="a text file or directory, a .jsonl, or stdlib")
+  q.add_argument("out", help="the tokenizer.json to write")
+  q.add_argument("--vocab-size", type=int, default=2048,
+                 help="tokens in the vocabulary, > 256 (default %(default)s)")
   q.add_argument("--max-bytes", type=int, default=8 * units.MiB,
-                 help="train on at most this much text (default 8 MiB)")
+                 help="train on at most this much text (default 8 MiB = %(default)s)")
   return p
 
 
@@ -62,9 +82,15 @@ def _run(args) -> None:
     return
   if not 0 < args.held_out_fraction < 0.5:
     raise ConfigError(f"--held-out-fraction must be in (0, 0.5), got {args.held_out_fraction}")
+  from shardlab.data import chat_tokens
+  if chat_tokens.wanted(args.format, args.source, args.messages_field):
+    index = chat_tokens.prepare(args.source, args.out, args.tokenizer, args.messages_field,
+                                args.held_out_fraction, args.shard_tokens, say,
+                                args.overwrite)
+    return print(chat_tokens.summary(index, args.out))
   index = tokens.prepare(args.source, args.out, args.tokenizer, args.text_field,
                          args.held_out_fraction, args.workers, args.shard_tokens,
-                         args.max_bytes, say, files)
+                         args.max_bytes, say, files, args.overwrite)
   counts = {s: sum(f["n_tokens"] for f in fs) for s, fs in index["splits"].items()}
   print(f"wrote {counts['train']:,} train and {counts['held_out']:,} held-out tokens "
         f"({sum(len(f) for f in index['splits'].values())} shards, vocab "
@@ -72,5 +98,28 @@ def _run(args) -> None:
         f"data.corpus={args.out} --set model.vocab_size={index['vocab_size']}")
 
 
+class _Terminated(KeyboardInterrupt):
+  pass
+
+
+def _terminate(signum, frame):
+  raise _Terminated
+
+
 def data_main(argv=None, prog: str = "shardlab data") -> int:
-  return run_command(_run, data_parser(prog).parse_args(argv))
+  """Ctrl-C or SIGTERM ends a command with one line (the workers are stopped on the way
+  out, data/workers.py); an interrupted prepare's output is refused until --overwrite."""
+  args = data_parser(prog).parse_args(argv)
+  main = threading.current_thread() is threading.main_thread()
+  previous = signal.signal(signal.SIGTERM, _terminate) if main else None
+  try:
+    return run_command(_run, args)
+  except KeyboardInterrupt as e:
+    from shardlab.data import outdir
+    unfinished = args.command == "prepare" and (Path(args.out) / outdir.MARKER).is_file()
+    left = f"; {args.out} is unfinished: rerun with --overwrite to replace it" if unfinished else ""
+    print(f"interrupted{left}", file=sys.stderr)
+    return 143 if isinstance(e, _Terminated) else 130
+  finally:
+    if main:
+      signal.signal(signal.SIGTERM, previous)

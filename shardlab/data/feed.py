@@ -25,7 +25,7 @@ import numpy as np
 
 from shardlab.config import DataConfig
 from shardlab.errors import ConfigError
-from shardlab.data import corpus as corpus_lib, packing, tokens
+from shardlab.data import chat, chat_tokens, corpus as corpus_lib, packing, tokens
 from shardlab.data import tokenizer as tokenizer_lib
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out batches never share a seed with training batches
@@ -35,7 +35,7 @@ def is_packed(cfg: DataConfig) -> bool:
   """Whether this data config reads tokenized, packed documents (else bytes)."""
   corpus = cfg.corpus
   return (cfg.tokenizer != tokenizer_lib.BYTES or tokens.is_prepared(corpus)
-          or corpus.endswith(tokens.TOKEN_FILES) or corpus.endswith(".jsonl"))
+          or corpus.endswith(tokens.TOKEN_FILES) or tokens.is_records(corpus))
 
 
 def place(local, sharding, global_rows: int):
@@ -126,20 +126,36 @@ class PackedFeed:
             "epoch": position // len(self.train)}
 
   def unigram_loss(self) -> float:
-    """Held-out cross-entropy (nats/token) under the train tokens' unigram distribution."""
+    """Held-out cross-entropy (nats/token) under the train tokens' unigram distribution
+    (for chat data, of the assistant tokens: those the loss reads)."""
     vocab = self.tokenizer.vocab_size
     counts = np.ones(vocab, np.float64)
     for shard in self.train.shards:
-      counts += np.bincount(np.asarray(shard.tokens[:2**24]), minlength=vocab)[:vocab]
+      counts += np.bincount(_trained_tokens(shard, 2**24), minlength=vocab)[:vocab]
     logp = np.log(counts / counts.sum())
-    held = np.concatenate([np.asarray(s.tokens[:2**22]) for s in self.held.shards])
+    held = np.concatenate([_trained_tokens(s) for s in self.held.shards])
     return float(-logp[held].mean())
 
   def describe(self) -> str:
     return (f"{self.source}: {self.train.n_tokens:,} train / {self.held.n_tokens:,} held-out "
             f"tokens ({self.tokenizer.spec}, vocab {self.tokenizer.vocab_size}) in "
             f"{len(self.train):,} packed rows ({self.train.padding_fraction():.1%} padding); "
-            f"unigram baseline {self.unigram_loss():.3f} nats/token")
+            f"unigram baseline {self.unigram_loss():.3f} nats/token{self._trained()}")
+
+  def _trained(self) -> str:
+    """For chat data, how much of the train split the loss reads."""
+    shards = self.train.shards
+    if shards[0].loss_mask is None:
+      return ""
+    trained = sum(int(np.asarray(s.loss_mask).sum()) for s in shards)
+    return f"; the loss reads {trained:,} assistant tokens ({trained / self.train.n_tokens:.1%})"
+
+
+def _trained_tokens(shard, limit: int = 2**22) -> np.ndarray:
+  """A shard's first `limit` tokens the loss reads: all, or for chat data the assistant
+  ones (so the unigram baseline compares with a masked loss)."""
+  ids = np.asarray(shard.tokens[:limit])
+  return ids if shard.loss_mask is None else ids[np.asarray(shard.loss_mask[:limit]) == 1]
 
 
 def _splits(cfg: DataConfig, say):
@@ -150,6 +166,9 @@ def _splits(cfg: DataConfig, say):
   tok = tokenizer_lib.load(cfg.tokenizer)
   if cfg.corpus.endswith(tokens.TOKEN_FILES):
     return tokens.read_token_file(cfg.corpus, tok, cfg.held_out_fraction), tok, cfg.corpus
+  if chat.is_chat(cfg.corpus):  # conversations: the chat template, assistant turns trained on
+    writers = chat_tokens.tokenize(cfg.corpus, cfg.tokenizer, cfg.held_out_fraction, say=say)
+    return {s: w.shards for s, w in writers.items()}, tok, f"{cfg.corpus} (chat)"
   files, source = (corpus_lib._files(cfg) if cfg.corpus == "stdlib" else (None, cfg.corpus))
   docs = tokens.documents(cfg.corpus, cfg.text_field, cfg.max_bytes, files)
   writers = tokens.tokenize(docs, cfg.tokenizer, cfg.held_out_fraction, workers=0,

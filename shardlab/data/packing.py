@@ -6,7 +6,8 @@ document longer than a row is cut into row-sized pieces. So every row is one con
 slice of a shard's token stream, and the plan is just (shard, start, length) per row.
 Segment ids number the documents of a row from 1; positions restart at 0 at each document
 (and at a row's first token). The model masks attention by segment (parallel/context.py) and
-the loss skips targets across documents and padding (models/lm.py).
+the loss skips targets across documents and padding (models/lm.py). Chat data's loss mask
+(data/chat.py) is cut with the same slice as its tokens, so a row's mask is always its own.
 """
 
 import numpy as np
@@ -67,16 +68,29 @@ class Rows:
     if len(self.starts) == 0:
       raise ConfigError(f"the {what} split holds no tokens")
     self.n_tokens = int(self.lengths.sum())
+    if len({s.loss_mask is None for s in shards}) > 1:
+      raise ConfigError(f"the {what} split mixes shards with and without a loss mask")
 
   def __len__(self) -> int:
     return len(self.starts)
 
   def batch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-    """{"tokens", "segment_ids", "positions"}: int32 len(indices) × row_len."""
+    """{"tokens", "segment_ids", "positions"} (and "loss_mask" for chat data): int32
+    len(indices) × row_len."""
     parts = [row(self.shards[self.shard_of[i]].tokens, self.shards[self.shard_of[i]].doc_starts,
                  int(self.starts[i]), int(self.lengths[i]), self.row_len) for i in indices]
     names = ("tokens", "segment_ids", "positions")
-    return {name: np.stack([p[k] for p in parts]) for k, name in enumerate(names)}
+    out = {name: np.stack([p[k] for p in parts]) for k, name in enumerate(names)}
+    if self.shards[0].loss_mask is not None:
+      out["loss_mask"] = np.stack([self._mask(i) for i in indices])
+    return out
+
+  def _mask(self, i: int) -> np.ndarray:
+    """Row i's loss mask (int32; 0 on padding), the same slice of its shard as its tokens."""
+    start, length = int(self.starts[i]), int(self.lengths[i])
+    mask = np.zeros(self.row_len, np.int32)
+    mask[:length] = self.shards[self.shard_of[i]].loss_mask[start:start + length]
+    return mask
 
   def padding_fraction(self) -> float:
     return 1 - self.n_tokens / (len(self) * self.row_len)
