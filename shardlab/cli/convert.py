@@ -16,6 +16,7 @@ EPILOG = """examples:
   python train.py --model ./ckpt/tinyllama/model.toml --init-from hf:./TinyLlama-1.1B
   shardlab convert to-hf ./runs/ft ./llama-ft --tokenizer-from ./TinyLlama-1.1B
   shardlab convert to-hf ./runs/lora ./llama-lora --merge-lora
+  shardlab convert to-hf ./runs/lora ./llama-adapter --peft
   shardlab convert hf-config ./TinyLlama-1.1B > tinyllama.toml"""
 
 
@@ -33,9 +34,10 @@ def convert_parser(prog: str = "shardlab convert") -> argparse.ArgumentParser:
     q.add_argument("--simulate-devices", type=int, metavar="N",
                    help="run on N simulated CPU devices (default: the real devices)")
 
-  q = sub.add_parser("from-hf", help="HF_DIR (config.json + safetensors) → shardlab checkpoint")
-  q.add_argument("hf_dir")
-  q.add_argument("out_dir")
+  text = "HF_DIR (config.json + safetensors) → shardlab checkpoint"
+  q = sub.add_parser("from-hf", help=text, description=text)
+  q.add_argument("hf_dir", help="a Hugging Face model directory (config.json + *.safetensors)")
+  q.add_argument("out_dir", help="the checkpoint directory to write (train.py --init-from)")
   placement(q)
   q.add_argument("--precision", default="fp32",
                  help="fp32 | bf16 | bf16-params (bf16-params stores bf16 weights)")
@@ -43,9 +45,10 @@ def convert_parser(prog: str = "shardlab convert") -> argparse.ArgumentParser:
                  help="adamw | adafactor | sgd: the (fresh) optimizer state saved alongside")
   q.add_argument("--overwrite", action="store_true", help="replace what OUT_DIR holds")
 
-  q = sub.add_parser("to-hf", help="newest checkpoint in CKPT_DIR → HF_DIR for transformers")
-  q.add_argument("ckpt_dir")
-  q.add_argument("hf_dir")
+  text = "newest checkpoint in CKPT_DIR → HF_DIR for transformers"
+  q = sub.add_parser("to-hf", help=text, description=text)
+  q.add_argument("ckpt_dir", help="a checkpoint directory (train.py --checkpoint-dir)")
+  q.add_argument("hf_dir", help="the Hugging Face model directory to write")
   placement(q)
   q.add_argument("--dtype", default="auto",
                  help="auto (the stored param dtype) | float32 | bfloat16 | float16")
@@ -61,9 +64,18 @@ def convert_parser(prog: str = "shardlab convert") -> argparse.ArgumentParser:
   q.add_argument("--merge-lora", action="store_true",
                  help="for a checkpoint trained with LoRA: merge the adapters into the base "
                       "weights (W + alpha/rank·A·B) and export the merged model")
+  q.add_argument("--peft", action="store_true",
+                 help="for a checkpoint trained with LoRA: write only the adapters, as a PEFT "
+                      "adapter (adapter_config.json + adapter_model.safetensors) for "
+                      "peft.PeftModel.from_pretrained over the base model (default: off)")
+  q.add_argument("--base-model", metavar="NAME_OR_DIR",
+                 help="with --peft: the base_model_name_or_path adapter_config.json names "
+                      "(default: the run's train.py --init-from hf:DIR as an absolute path, "
+                      "else none)")
 
-  q = sub.add_parser("hf-config", help="print the model TOML (for --model) of an HF config")
-  q.add_argument("hf_dir")
+  text = "print the model TOML (for train.py --model) of an HF config"
+  q = sub.add_parser("hf-config", help=text, description=text)
+  q.add_argument("hf_dir", help="a Hugging Face model directory (its config.json)")
   return p
 
 
@@ -84,6 +96,9 @@ def _run(args) -> None:
           f"checkpoint (step 0) to {args.out_dir}\nfine-tune it with: python train.py "
           f"--model {toml} --init-from {args.out_dir}")
     return
+  if args.peft or args.base_model is not None:
+    _run_peft(args)
+    return
   if args.max_shard_gb <= 0:
     raise ConfigError(f"--max-shard-gb must be > 0, got {args.max_shard_gb}")
   files, copied = hf_convert.export_checkpoint(
@@ -93,6 +108,27 @@ def _run(args) -> None:
   if args.tokenizer_from and not copied:
     print(f"warning: no tokenizer files in {args.tokenizer_from}", file=sys.stderr)
   print(f"wrote config.json and {len(files)} safetensors file(s) to {args.hf_dir}"
+        + (f" (+ {', '.join(copied)})" if copied else ""))
+
+
+def _run_peft(args) -> None:
+  from shardlab.hf import peft_export
+
+  if not args.peft:
+    raise ConfigError("--base-model names the base of a PEFT adapter; pass --peft with it")
+  if args.merge_lora:
+    raise ConfigError("--peft and --merge-lora exclude each other: --peft writes the "
+                      "adapters alone, --merge-lora the model with them merged in")
+  config, copied = peft_export.export_adapter(
+      args.ckpt_dir, args.hf_dir, args.mesh, args.strategy, args.dtype, args.overwrite,
+      args.strict, args.base_model, args.tokenizer_from)
+  if args.tokenizer_from and not copied:
+    print(f"warning: no tokenizer files in {args.tokenizer_from}", file=sys.stderr)
+  if not config["base_model_name_or_path"]:
+    print("warning: adapter_config.json names no base model (the run did not start from "
+          "--init-from hf:DIR); pass --base-model NAME_OR_DIR", file=sys.stderr)
+  print(f"wrote a PEFT LoRA adapter (r {config['r']}, lora_alpha {config['lora_alpha']}, "
+        f"target_modules {config['target_modules']}) to {args.hf_dir}"
         + (f" (+ {', '.join(copied)})" if copied else ""))
 
 

@@ -18,6 +18,7 @@ import shardlab.cli.run_config as run_config
 from shardlab.cli.auto import add_auto_args, resolve_auto
 from shardlab.errors import ConfigError
 from shardlab.hf import weights as hf
+from shardlab.observe import trackers
 from shardlab.observe.progress import Activity
 from shardlab.runtime import distributed
 from shardlab.data import tokenizer as tokenizer_lib
@@ -49,13 +50,9 @@ def train_parser(prog: str = "train.py") -> argparse.ArgumentParser:
   p.add_argument("--eval-batches", type=int, metavar="K",
                  help="held-out batches per evaluation (train.eval_batches, default 8)")
   add_simulate_devices(p)
-  p.add_argument("--metrics-file", help="append one JSON object per logged step here")
-  p.add_argument("--run-dir", help="write metrics.jsonl (unless --metrics-file), TensorBoard "
-                 "event files, plot.png and --profile-steps traces here")
-  p.add_argument("--profile-steps", metavar="A:B",
-                 help="jax.profiler trace of steps A+1..B into RUN_DIR/profile")
+  _add_outputs(p)
   p.add_argument("--sample-tokens", type=int, default=80, metavar="N",
-                 help="end a finished run with a sample of N tokens (0: none)")
+                 help="end a finished run with a sample of N tokens (0: none; default %(default)s)")
   add_overrides(p)
   p.add_argument("--checkpoint-dir", help="save checkpoints here (async, every "
                  "checkpoint.every steps and at the end) and resume from the newest one")
@@ -89,22 +86,37 @@ def train_parser(prog: str = "train.py") -> argparse.ArgumentParser:
   return p
 
 
+def _add_outputs(p: argparse.ArgumentParser) -> None:
+  """Where a run's metrics go: the JSONL, the run directory, trackers, profiles."""
+  p.add_argument("--metrics-file", help="append one JSON object per logged step here")
+  p.add_argument("--run-dir", help="write metrics.jsonl (unless --metrics-file), TensorBoard "
+                 "event files, plot.png and --profile-steps traces here")
+  p.add_argument("--logger", metavar="NAMES",
+                 help="where the step scalars and the resolved config go besides the JSONL, "
+                      "comma-separated: tensorboard, wandb, mlflow, or none (loggers; default: "
+                      "tensorboard). W&B and MLflow need the trackers extra; see "
+                      "docs/observability.md")
+  p.add_argument("--profile-steps", metavar="A:B",
+                 help="jax.profiler trace of steps A+1..B into RUN_DIR/profile")
+
+
 def config_from_args(args):
   cfg = _config_from_args(args)
+  trackers.names(cfg)  # --logger checked before any device work (an --auto search)
   source = cfg.checkpoint.init_from or ""
   if source.startswith(hf.PREFIX) and cfg.data.tokenizer == "bytes":  # the model's own
-    found = [n for n in (tokenizer_lib.HF_FILE, tokenizer_lib.SP_FILE)
-             if (Path(source[len(hf.PREFIX):]) / n).is_file()]
-    if found:
-      cfg = dataclasses.replace(cfg, data=dataclasses.replace(
-          cfg.data, tokenizer=source[len(hf.PREFIX):]))
+    from shardlab.hf import peft  # a PEFT adapter's tokenizer may be its base model's
+    names = (tokenizer_lib.HF_FILE, tokenizer_lib.SP_FILE)
+    root = peft.files_dir(source[len(hf.PREFIX):], names)
+    if any((Path(root) / n).is_file() for n in names):
+      cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=root))
   return cfg
 
 
 def _config_from_args(args):
   """Defaults < --config < the flags given < --set: each flag sets one Config field."""
   return load_config(args.model, args.mesh, args.strategy, args.overrides, {
-      "metrics_file": args.metrics_file, "run_dir": args.run_dir,
+      "metrics_file": args.metrics_file, "run_dir": args.run_dir, "loggers": args.logger,
       "profile_steps": args.profile_steps, "train.steps": args.steps,
       "train.seed": args.seed, "train.precision": args.precision,
       "train.eval_every": args.eval_every, "train.eval_batches": args.eval_batches,
@@ -131,9 +143,11 @@ def sampler(max_new_tokens: int, prompt: str = SAMPLE_PROMPT):
 
 
 def hf_params(run):
-  """Params for `--init-from hf:DIR`, each born on its shard."""
-  return hf.load_params(run.cfg.checkpoint.init_from[len(hf.PREFIX):], run.cfg.model,
-                        run.abstract, run.shardings)
+  """Params for `--init-from hf:DIR` (with a PEFT adapter's, if DIR holds one: hf/peft.py),
+  each born on its shard."""
+  from shardlab.hf import peft
+  return peft.load_params(run.cfg.checkpoint.init_from[len(hf.PREFIX):], run.cfg,
+                          run.abstract, run.shardings)
 
 
 def train_main(argv=None, prog: str = "train.py") -> int:

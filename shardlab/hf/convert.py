@@ -106,7 +106,8 @@ def export_checkpoint(ckpt_dir: str | Path, hf_dir: str | Path, mesh: str = DEFA
     if cfg.lora.rank and not merge_lora:
       raise ConfigError(f"the checkpoint in {ckpt_dir}/{step} was trained with LoRA adapters "
                         f"(lora.rank {cfg.lora.rank}, targets {cfg.lora.targets}); pass "
-                        f"--merge-lora to export the base weights with the adapters merged in")
+                        f"--merge-lora to export the base weights with the adapters merged in, or "
+                        f"--peft to export the adapters alone as a PEFT adapter")
     abstract, sh = _placement(cfg)
     params = restore("params", abstract.state.params, sh.state.params)
     if cfg.lora.rank:
