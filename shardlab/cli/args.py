@@ -18,17 +18,22 @@ DEFAULT_STRATEGY = "fsdp_tp"
 DEFAULT_SIMULATED_DEVICES = 8
 
 
-def add_model_mesh_strategy(p: argparse.ArgumentParser, model: str = DEFAULT_MODEL) -> None:
+def add_model_mesh_strategy(p: argparse.ArgumentParser, model: str = DEFAULT_MODEL,
+                            searched: bool = True, factory: bool = False) -> None:
+  """--model, --mesh, --strategy. `searched`: the command takes `auto` for the last two
+  (train.py: --auto-top); `factory`: --model also takes a user's module factory."""
+  user = "; or a module factory, path/to/file.py:function or package.module:function " \
+         "(docs/plan-any-module.md)" if factory else ""
   p.add_argument("--model", default=model,
-                 help=f"a preset ({', '.join(registry.presets())}) or a TOML model file "
+                 help=f"a preset ({', '.join(registry.presets())}) or a TOML model file{user} "
                       f"(default {model})")
+  auto = "; auto: searched (see --auto-top)" if searched else ""
   p.add_argument("--mesh", default=DEFAULT_MESH,
-                 help="preset (meshes/), TOML file, or inline 'data:1,fsdp:-1,tensor:2'; "
-                      f"train.py also takes auto (searched, see --auto-top) (default "
-                      f"{DEFAULT_MESH})")
+                 help="preset (meshes/), TOML file, or inline 'data:1,fsdp:-1,tensor:2'"
+                      f"{auto} (default {DEFAULT_MESH})")
   p.add_argument("--strategy", default=DEFAULT_STRATEGY,
-                 help=" | ".join(rules.STRATEGIES) + "; train.py also takes auto (default "
-                      f"{DEFAULT_STRATEGY})")
+                 help=" | ".join(rules.STRATEGIES) + ("; auto: searched" if searched else "") +
+                      f" (default {DEFAULT_STRATEGY})")
 
 
 def add_overrides(p: argparse.ArgumentParser, example: str = "train.lr=1e-3") -> None:

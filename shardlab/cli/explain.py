@@ -27,7 +27,7 @@ def explain_parser(prog: str = "shardlab explain") -> argparse.ArgumentParser:
                              "it, and whether the strategy plans it.",
       epilog="Example: shardlab explain --model tiny --mesh fsdp:4,tensor:2 --strategy "
              "fsdp_tp --against fsdp")
-  add_model_mesh_strategy(p)
+  add_model_mesh_strategy(p, searched=False)
   p.add_argument("--target", default=explain_lib.DEFAULT_TARGET,
                  help=f"accelerator whose ICI/DCN bandwidths time each collective: "
                       f"{', '.join(hardware.names())} or a TOML file")

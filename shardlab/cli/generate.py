@@ -7,14 +7,15 @@ import time
 
 from shardlab import generate
 import shardlab.cli.text as text_io
-from shardlab.cli.args import add_simulate_devices, setup_devices
+from shardlab.cli.args import DefaultsHelp, add_simulate_devices, setup_devices
 from shardlab.errors import ConfigError
 
 
 def generate_parser(prog: str = "shardlab generate") -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
-      prog=prog, description="Sample text from a checkpoint with a KV cache, sharded with the "
-                             "rules it was trained with (or another mesh and strategy).",
+      prog=prog, formatter_class=DefaultsHelp,
+      description="Sample text from a checkpoint with a KV cache, sharded with the rules it "
+                  "was trained with (or another mesh and strategy).",
       epilog='Example: shardlab generate --checkpoint runs/tiny/ckpt --prompt "def " '
              "--max-new-tokens 200 --temperature 0.8 --top-k 40 --seed 0")
   p.add_argument("--checkpoint", required=True, help="a checkpoint directory (train.py "
@@ -30,8 +31,8 @@ def generate_parser(prog: str = "shardlab generate") -> argparse.ArgumentParser:
                  help="tokens to generate (bytes for a byte-level run); a sample ends at EOS")
   p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
   p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest; 0: all")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--num-samples", type=int, default=1)
+  p.add_argument("--seed", type=int, default=0, help="the sampling seed")
+  p.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
   p.add_argument("--mesh", help="default: the checkpoint's")
   p.add_argument("--strategy", help="default: the checkpoint's")
   add_simulate_devices(p)

@@ -14,7 +14,7 @@ from shardlab.observe import goodput
 
 def goodput_parser(prog: str = "shardlab goodput") -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].split(": ", 1)[1])
-  p.add_argument("run_dir", help="a run's --run-dir (it holds goodput.jsonl)")
+  p.add_argument("run_dir", help="a run directory (train.py --run-dir): it holds goodput.jsonl")
   p.add_argument("--json", action="store_true", help="the numbers as JSON")
   return p
 

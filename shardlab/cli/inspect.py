@@ -10,8 +10,10 @@ import numpy as np
 
 from shardlab.cli.args import add_model_mesh_strategy, add_overrides, add_simulate_devices
 from shardlab.cli.args import load_config, setup_devices
+import shardlab.cli.plan_user as plan_user
 from shardlab.errors import ConfigError
 from shardlab.observe import progress, step_report
+from shardlab.plan.module import factory as factory_lib
 from shardlab.plan.training import layout as inspect_state
 from shardlab.training import run as run_lib
 
@@ -22,7 +24,7 @@ def inspect_parser(prog: str = "shardlab inspect") -> argparse.ArgumentParser:
                              "per-device shape and bytes under a strategy and mesh.",
       epilog="Example: shardlab inspect --model 125m --mesh fsdp:4,tensor:2 --strategy "
              "fsdp_tp --activations")
-  add_model_mesh_strategy(p)
+  add_model_mesh_strategy(p, searched=False, factory=True)
   p.add_argument("--devices", type=int, metavar="N",
                  help="device count for a mesh with a -1 axis (default: this machine's, 8 "
                       "simulated on CPU)")
@@ -67,6 +69,8 @@ def inspect_main(argv=None, prog: str = "shardlab inspect") -> int:
     if args.devices is not None and args.devices < 1:
       raise ConfigError(f"--devices must be >= 1 (a device count), got {args.devices}")
     setup_devices(args.simulate_devices)
+    if factory_lib.is_factory(args.model):  # the user's own module: its state's table
+      return _user_module(args)
     cfg, abstract, sh = build(args.model, args.mesh, args.strategy, args.overrides,
                               args.devices)
     lay = inspect_state.layout(cfg, abstract, sh)
@@ -86,4 +90,15 @@ def inspect_main(argv=None, prog: str = "shardlab inspect") -> int:
     print(inspect_state.render(cfg, lay, sh, args.activations))
     if lines:
       print("\n" + "\n".join(lines))
+  return 0
+
+
+def _user_module(args) -> int:
+  lay, sh = plan_user.inspect_layout(args)
+  if args.json:
+    out = {k: [r.as_dict() for r in getattr(lay, k)] for k in ("params", "opt_state", "step")}
+    print(json.dumps(out | {"bytes_per_device": lay.bytes_per_device(),
+                            "warnings": lay.warnings}, indent=2))
+  else:
+    print(inspect_state.render_state(lay, sh, args.model))
   return 0

@@ -8,12 +8,14 @@ import json
 import sys
 
 from shardlab import config as config_lib
-from shardlab.cli.args import DefaultsHelp, Given, given
+import shardlab.cli.plan_user as plan_user
+from shardlab.cli.args import DefaultsHelp, Given, given, run_command
 from shardlab.cli.plan_render import fewest_line, render, to_json
 from shardlab.errors import ConfigError
 from shardlab.plan.auto import choice as plan_auto
 from shardlab.plan.auto import layout as auto_layout
 from shardlab.plan.compiled import train_step as plan_compile
+from shardlab.plan.module import factory as factory_lib
 from shardlab.plan.training import longest_context
 from shardlab.plan.training import planner as plan_lib
 from shardlab.plan.training import plot as plan_plot
@@ -26,10 +28,15 @@ HELP = DefaultsHelp
 FEWEST = "unset (with no --mesh): the fewest devices of --target that fit"
 
 
-def _add_request(p: argparse.ArgumentParser, devices_help: str = FEWEST) -> None:
-  """The training request's options; defaults are the planner's run (PLANNER_TRAIN)."""
+def _add_request(p: argparse.ArgumentParser, devices_help: str = FEWEST,
+                 factory: bool = False) -> None:
+  """The training request's options; defaults are the planner's run (PLANNER_TRAIN).
+  `factory`: --model also takes a user's module factory (plan train)."""
   t = plan_lib.PLANNER_TRAIN
-  p.add_argument("--model", default="llama2-7b", help="preset name (models/presets/) or TOML")
+  p.add_argument("--model", default="llama2-7b",
+                 help="preset name (models/presets/) or TOML" + (
+                     "; or your own module's factory, path/to/file.py:NAME or "
+                     "package.module:NAME (see --loss-fn, --batch-fn)" if factory else ""))
   p.add_argument("--optimizer", default=t.optimizer, help="adamw | adafactor | sgd")
   p.add_argument("--precision", default=t.precision, help="fp32 | bf16 | bf16-params")
   p.add_argument("--grad-dtype", default=t.grad_dtype,
@@ -63,7 +70,7 @@ def train_parser(prog: str = "shardlab plan train") -> argparse.ArgumentParser:
                   "`shardlab plan --model ...` with no subcommand means this one.",
       epilog="Example: shardlab plan train --model llama2-70b --target a100-80g --devices 64 "
              "--search --compile")
-  _add_request(p)
+  _add_request(p, factory=True)
   p.add_argument("--search", action="store_true",
                  help="rank every data × fsdp × tensor factorisation and strategy that fits")
   p.add_argument("--top", type=int, default=10, help="rows of --search to print")
@@ -76,9 +83,17 @@ def train_parser(prog: str = "shardlab plan train") -> argparse.ArgumentParser:
   p.add_argument("--compile-on", default="auto", choices=("auto", "cpu", "tpu", "both"),
                  help="where --compile compiles: auto = the TPU topology for a TPU target "
                       "when libtpu is installed, else simulated CPU devices")
-  p.add_argument("--compile-top", type=int, default=4, metavar="K",
+  p.add_argument("--compile-top", type=int, default=2, metavar="K",
                  help="with --search --compile: compile candidates in the search's order "
-                      "until K fit, and pick by the compiled programs")
+                      "until K fit, and pick by the compiled programs (a module factory: "
+                      "compile its K best by estimate)")
+  p.add_argument("--loss-fn", default=factory_lib.DEFAULT_LOSS, metavar="NAME",
+                 help="with a module factory --model: loss_fn(model, batch), a name in its "
+                      "file or module:function")
+  p.add_argument("--batch-fn", default=factory_lib.DEFAULT_BATCH, metavar="NAME",
+                 help="with a module factory --model: NAME(size), the batch's arrays or "
+                      "jax.ShapeDtypeStructs for --global-batch sequences, a name in its file "
+                      "or module:function")
   p.add_argument("--compile-budget-s", type=float, default=600.0, metavar="S",
                  help="with --search --compile: start no compile after S seconds")
   return p
@@ -159,7 +174,11 @@ def plan_main(argv=None, prog: str = "shardlab plan") -> int:
                 _longest_context)
   if argv and argv[0] == "train":
     argv, prog = argv[1:], f"{prog} train"
-  return _run(train_parser(prog).parse_args(argv), _train)
+  parser = train_parser(prog)
+  args = parser.parse_args(argv)
+  if factory_lib.is_factory(args.model):  # the user's own module: sl.plan_module
+    return run_command(lambda a: plan_user.plan_main(a, parser), args)
+  return _run(args, _train)
 
 
 def _run(args, command) -> int:
@@ -218,7 +237,7 @@ def _train(req: plan_lib.Request, args) -> int:
   if args.compile and args.search:  # the top K, by their compiled programs
     choice = auto_layout.for_request(
         req, result.estimate.n_devices, "tpu" if "tpu" in where else "cpu",
-        args.compile_top, args.compile_budget_s, say=_stderr)
+        args.compile_top, args.compile_budget_s, say=_stderr, found=result.search)
   elif args.compile:
     result = plan_compile.attach(result, where)
   if args.plot:

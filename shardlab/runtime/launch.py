@@ -178,11 +178,13 @@ def launch_main(argv=None, prog: str = "shardlab launch") -> int:
   p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                               usage=f"{prog} -n N [--devices-per-process D] -- COMMAND ...",
                               epilog=f"On a SLURM cluster: {prog} --slurm --help")
-  p.add_argument("-n", "--num-processes", type=int, required=True)
+  p.add_argument("-n", "--num-processes", type=int, required=True,
+                 help="processes to start (required)")
   p.add_argument("--devices-per-process", type=int, default=1,
-                 help="simulated CPU devices in each process")
+                 help="simulated CPU devices in each process (default %(default)s)")
   p.add_argument("--port", type=int, help="coordinator port on 127.0.0.1 (default: a free one)")
-  p.add_argument("command", nargs=argparse.REMAINDER)
+  p.add_argument("command", nargs=argparse.REMAINDER,
+                 help="after --: the command each process runs, e.g. python train.py ...")
   args = p.parse_args(argv)
   command = args.command[1:] if args.command[:1] == ["--"] else args.command
   if not command:

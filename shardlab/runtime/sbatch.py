@@ -101,23 +101,29 @@ def _saves_checkpoints(command: list[str]) -> bool:
 def sbatch_main(argv=None, prog: str = "shardlab launch --slurm") -> int:
   p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                               usage=f"{prog} --nodes N --gpus-per-node G [options] -- COMMAND ...")
-  p.add_argument("--nodes", type=int, default=1)
-  p.add_argument("--gpus-per-node", type=int, required=True, metavar="G")
+  p.add_argument("--nodes", type=int, default=1, help="nodes to allocate (default %(default)s)")
+  p.add_argument("--gpus-per-node", type=int, required=True, metavar="G",
+                 help="GPUs on each node (required)")
   p.add_argument("--per", choices=("gpu", "node"), default="gpu",
-                 help="one task (process) per GPU, or per node driving all its GPUs")
+                 help="one task (process) per GPU, or per node driving all its GPUs "
+                      "(default %(default)s)")
   p.add_argument("--time", help="the job's time limit, as sbatch takes it (e.g. 24:00:00)")
-  p.add_argument("--partition")
-  p.add_argument("--job-name", default="shardlab")
-  p.add_argument("--output", default="shardlab-%j.out", help="the job's log (%%j: job id)")
-  p.add_argument("--cpus-per-task", type=int)
+  p.add_argument("--partition", help="the SLURM partition (unset: the cluster's default)")
+  p.add_argument("--job-name", default="shardlab", help="the job's name (default %(default)s)")
+  p.add_argument("--output", default="shardlab-%j.out",
+                 help="the job's log (%%j: job id; default %(default)s)")
+  p.add_argument("--cpus-per-task", type=int,
+                 help="CPU cores for each task (unset: the cluster's default)")
   p.add_argument("--cpu-devices", type=int, metavar="D",
                  help="no GPUs: each task simulates D CPU devices (a test of the script)")
   p.add_argument("--signal-seconds", type=int, default=SIGNAL_S, metavar="S",
-                 help="SIGUSR1 (save, requeue) this long before --time ends")
+                 help="SIGUSR1 (save, requeue) this long before --time ends (default "
+                      "%(default)s)")
   p.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
                  help="one more #SBATCH line, e.g. --sbatch=--account=proj")
   p.add_argument("--script", metavar="FILE", help="write the script here (default: print it)")
-  p.add_argument("command", nargs=argparse.REMAINDER)
+  p.add_argument("command", nargs=argparse.REMAINDER,
+                 help="after --: the command every task runs, e.g. python train.py ...")
   args = p.parse_args(argv)
   command = args.command[1:] if args.command[:1] == ["--"] else args.command
   if not command:

@@ -142,9 +142,11 @@ def _agreed(choice: auto.Choice) -> auto.Choice:
 
 
 def for_request(req: Request, n_devices: int, on: str, top_k: int = 4,
-                budget_s: float = 600.0, say=lambda text: None) -> auto.Choice:
+                budget_s: float = 600.0, say=lambda text: None,
+                found: list | None = None) -> auto.Choice:
   """`shardlab plan --search --compile`: the search for a planner Request, compiled `on`
-  "tpu" (the target's topology) or "cpu" (simulated devices)."""
+  "tpu" (the target's topology) or "cpu" (simulated devices). `found`: the planner's own
+  search of it (not run twice)."""
   from shardlab.plan.compiled import train_step as plan_compile
   acc = hardware.get(req.target)
 
@@ -157,4 +159,4 @@ def for_request(req: Request, n_devices: int, on: str, top_k: int = 4,
     return aot.compile_on_cpu(cfg, n_devices)
 
   return auto.choose(req, req.model_config(), acc, n_devices, compile_fn, on,
-                     top_k=top_k, budget_s=budget_s, say=say)
+                     top_k=top_k, budget_s=budget_s, say=say, found=found)
