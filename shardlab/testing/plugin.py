@@ -1,5 +1,6 @@
 """The pytest plugin (entry point `pytest11: shardlab`): simulated CPU devices chosen before
-JAX starts, and a `mesh` fixture with the CLI's mesh syntax. Does nothing unless asked."""
+JAX starts, a persistent compilation cache shared with the processes tests start, and a `mesh`
+fixture with the CLI's mesh syntax. Does nothing unless asked."""
 
 import jax
 import pytest
@@ -7,8 +8,10 @@ import pytest
 from shardlab.errors import ConfigError
 from shardlab.runtime import devices
 from shardlab.sharding import mesh as mesh_lib
+from shardlab.testing import cache
 
 OPTION, INI = "--shardlab-devices", "shardlab_devices"
+CACHE_OPTION, CACHE_INI = "--shardlab-cache", "shardlab_cache"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -17,6 +20,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                   help="run the tests on N simulated CPU devices (before JAX starts)")
   parser.addini(INI, "N simulated CPU devices for the tests (0: leave JAX alone)",
                 default="0")
+  group.addoption(CACHE_OPTION, default=None, metavar="DIR",
+                  help="keep compiled programs in DIR (JAX's persistent compilation cache, one "
+                       "subdirectory per CPU kind), for the tests and every process they start; "
+                       "default: no cache")
+  parser.addini(CACHE_INI, "directory of JAX's persistent compilation cache for the tests "
+                "(empty: none)", default="")
 
 
 def requested_devices(config: pytest.Config) -> int:
@@ -28,10 +37,20 @@ def requested_devices(config: pytest.Config) -> int:
     raise pytest.UsageError(f"{INI} must be an integer, got {value!r}") from None
 
 
+def requested_cache(config: pytest.Config) -> str:
+  return getattr(config.known_args_namespace, "shardlab_cache", None) or config.getini(CACHE_INI)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config, parser, args) -> None:
   """Runs before any conftest.py imports the test code, so the device count is set before
   anything can start JAX's backend."""
+  directory = requested_cache(early_config)
+  if directory:
+    try:
+      cache.enable(directory)
+    except OSError as e:
+      raise pytest.UsageError(f"{CACHE_OPTION}: cannot use {directory!r}: {e}") from None
   n = requested_devices(early_config)
   if not n:
     return
