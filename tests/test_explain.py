@@ -218,9 +218,3 @@ def test_cli_prints_text_json_and_html(tmp_path, capsys):
   saved.write_text("{not json")
   assert explain_cli.explain_main(argv + ["--against-report", str(saved)]) == 2
   assert "not a report written by `shardlab explain --json`" in capsys.readouterr().err
-
-
-def test_docs_example_runs(capsys):
-  from test_docs import run_doc
-  ns = run_doc("explain.md")
-  assert ns["report"].unplanned and "unplanned collective" in capsys.readouterr().out
