@@ -45,13 +45,13 @@ class Sampling:
   eos_ids: tuple[int, ...] = ()  # a row is done once it draws one; the loop ends when all are
 
   def __post_init__(self):
-    for f in ("max_new_tokens", "num_samples"):
-      if getattr(self, f) < 1:
-        raise ConfigError(f"{f} must be >= 1, got {getattr(self, f)}")
-    if self.temperature < 0:
-      raise ConfigError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
-    if self.top_k < 0:
-      raise ConfigError(f"top_k must be >= 0 (0 keeps every token), got {self.top_k}")
+    bounds = (("max_new_tokens", 1, math.inf, ">= 1"), ("num_samples", 1, math.inf, ">= 1"),
+              ("temperature", 0, math.inf, "a finite number >= 0 (0 is greedy)"),
+              ("top_k", 0, math.inf, ">= 0 (0 keeps every token)"),
+              ("seed", 0, 2**31, "in [0, 2**31)"))  # the steps take the seed as an int32
+    for f, low, high, valid in bounds:
+      if not low <= getattr(self, f) < high:  # NaN fails it too: it would sample garbage
+        raise ConfigError(f"{f} must be {valid}, got {getattr(self, f)}")
 
 
 def sample(logits_BxV, key, temperature: float, top_k: int, vocab: int = corpus_lib.VOCAB):

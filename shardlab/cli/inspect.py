@@ -15,6 +15,7 @@ from shardlab.errors import ConfigError
 from shardlab.observe import progress, step_report
 from shardlab.plan.module import factory as factory_lib
 from shardlab.plan.training import layout as inspect_state
+from shardlab.training import combinations
 from shardlab.training import run as run_lib
 
 
@@ -43,6 +44,7 @@ def build(model: str, mesh: str, strategy: str, overrides: list[str],
   """(cfg, abstract, shardings) on an abstract mesh: no device memory is used."""
   cfg = load_config(model, mesh, strategy, overrides)
   p = run_lib.place(cfg, abstract=True, n_devices=devices)
+  combinations.check(cfg, p.spec.shape)  # what a run refuses at setup (warnings: the layout's)
   return cfg, p.abstract, p.shardings
 
 

@@ -21,6 +21,7 @@ from shardlab.plan.training import planner as plan_lib
 from shardlab.plan.training import plot as plan_plot
 from shardlab.runtime import hardware
 from shardlab.sharding import mesh as mesh_lib
+from shardlab.training import combinations
 
 # The mode flags that became subcommands: refused with the command to use instead.
 OLD_FLAGS = {"--inference": "serve", "--longest-context": "longest-context"}
@@ -221,10 +222,28 @@ def inline_mesh(described: str) -> str:
   return ",".join(parts)
 
 
+def _check_combinations(req: plan_lib.Request) -> None:
+  """What a run of this request would refuse at setup (training/combinations.py)."""
+  if req.mesh is None:
+    return
+  spec = mesh_lib.load(req.mesh)
+  try:
+    spec = spec.resolve(req.devices) if req.devices else spec
+  except ConfigError:
+    pass  # the planner says how the mesh and --devices disagree
+  cfg = config_lib.Config(model=req.model_config(), mesh=req.mesh, strategy=req.strategy,
+                          train=req.train, lora=req.lora, rules=req.rules)
+  combinations.check(cfg, spec.shape)
+
+
 def _train(req: plan_lib.Request, args) -> int:
+  for flag, value in (("--top", args.top), ("--compile-top", args.compile_top)):
+    if value < 1:
+      raise ConfigError(f"{flag} must be >= 1, got {value}")
   fewest = None
   if req.devices is None and req.mesh is None:
     req, fewest = fewest_devices(req, any_strategy=not given(args, "strategy"))
+  _check_combinations(req)
   # The planner never runs on an accelerator: CPU (simulated devices for --compile) and
   # compile-only TPU topologies. Chosen before any JAX backend starts.
   where = plan_compile.where(req, args.compile_on) if args.compile else ()

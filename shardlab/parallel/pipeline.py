@@ -62,7 +62,7 @@ def stages(n_layers: int):
 def check(n_layers: int, n_stages: int, repeats: int, microbatches: int,
           batch: int | None = None, batch_name: str = "the batch"):
   """Clear errors for a schedule the model (and batch, when given) cannot follow. A run
-  checks them when it is set up (shardlab/training/checks.py); `run` again while tracing."""
+  checks them when it is set up (shardlab/training/combinations.py); `run` again while tracing."""
   if n_layers % (n_stages * repeats):
     raise ConfigError(
         f"model.n_layers ({n_layers}) must be divisible by the pipeline stages × "
@@ -98,7 +98,7 @@ def check_microbatches(batch: int, microbatches: int, name: str = "the batch") -
 def check_combination(n_stages: int, *, remat: str = "none", offload: str = "none",
                       layer_stats: str | None = None, context: int = 1) -> None:
   """Clear errors for what does not run inside a pipeline of `n_stages` stages. A run checks
-  them when it is set up (shardlab/training/checks.py), before anything is traced; the layer
+  them when it is set up (shardlab/training/combinations.py), before anything is traced; the layer
   scan checks what it sees again while tracing, for modules stepped without that setup.
   `layer_stats`: who returns per-layer statistics (named in the message), None if nothing
   does; `context`: the context-parallel degree."""

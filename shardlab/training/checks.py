@@ -4,7 +4,8 @@ ConfigError naming its fields here, not a failure in the middle of tracing the s
 
 The rules themselves live beside the code they protect (parallel/pipeline.py's `check` and
 `check_combination`, which the traced code calls again as a last line of defence); this
-module reads the config's values for them, so each rule has one message.
+module reads the config's values for them, so each rule has one message. Which settings
+combine is decided in one place, training/combinations.py, which calls `check_pipeline`.
 """
 
 import math
@@ -37,7 +38,7 @@ def check_tokenizer_fits(cfg: Config, feed) -> None:
                       f"{feed.tokenizer.vocab_size}")
 
 
-def _degree(rules: rules_lib.Rules, mesh, logical: str) -> int:
+def degree(rules: rules_lib.Rules, mesh, logical: str) -> int:
   """Over how many devices the activation rules split the logical axis `logical`."""
   axes = rules.activations.get(logical)
   axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
@@ -57,7 +58,7 @@ def check_pipeline(cfg: Config, rules: rules_lib.Rules, mesh) -> None:
   stats = (f"model {model.name!r} is a mixture of experts (model.n_experts={model.n_experts}):"
            f" its layers" if protocol.has(model, "n_experts") else None)
   pipeline.check_combination(stages, remat=t.remat, offload=t.offload, layer_stats=stats,
-                             context=_degree(rules, mesh, "length"))
+                             context=degree(rules, mesh, "length"))
   pipeline.check(model.n_layers, stages, t.pipeline_repeats, t.microbatches, t.global_batch,
                  "train.global_batch")
 

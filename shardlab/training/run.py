@@ -23,7 +23,7 @@ from shardlab.sharding import mesh as mesh_lib
 from shardlab.sharding import rules as rules_lib
 from shardlab.data import corpus as corpus_lib
 from shardlab.data import feed as feed_lib
-from shardlab.training import checks, optim, precision
+from shardlab.training import checks, combinations, optim, precision
 from shardlab.training import state as state_lib
 from shardlab.training import step as step_lib
 
@@ -92,19 +92,12 @@ class Run:
 def model_factory(cfg: Config):
   """Builds the bundled model `cfg.model` describes, seeded by train.seed, with the layer
   scan's settings (train.remat, train.scan_unroll)."""
-  if cfg.train.remat not in cfg.model.remat_policies:
-    raise ConfigError(f"train.remat {cfg.train.remat!r} is not offered by model "
-                      f"{cfg.model.name}; valid: {', '.join(cfg.model.remat_policies)}")
+  combinations.check_model_settings(cfg)  # train.remat and lora.targets are offered
   param_dtype = precision.resolve(cfg.train.precision).param_dtype
   remat, unroll = cfg.train.remat, cfg.train.scan_unroll
   if not cfg.lora.rank:
     return lambda: cfg.model.make(nnx.Rngs(cfg.train.seed), param_dtype, remat,
                                   unroll=unroll)
-  offered = cfg.model.lora_targets
-  wrong = [t for t in cfg.lora.target_names if t not in offered]
-  if wrong:
-    raise ConfigError(f"lora.targets {', '.join(wrong)} not offered by model "
-                      f"{cfg.model.name}; valid: {', '.join(offered) or 'none (no LoRA)'}")
   return lambda: cfg.model.make(nnx.Rngs(cfg.train.seed), param_dtype, remat, lora=cfg.lora,
                                 unroll=unroll)
 
@@ -203,7 +196,7 @@ def abstract_inputs(abstract: state_lib.Abstract, shardings_: state_lib.Sharding
 
 def make_steps(cfg: Config, abstract: state_lib.Abstract, shardings_: state_lib.Shardings):
   """(train_step, eval_step), jitted with the run's shardings."""
-  checks.check_pipeline(cfg, shardings_.rules, shardings_.mesh)
+  combinations.check(cfg, dict(shardings_.mesh.shape), shardings_.rules)
   checks.check_pipeline_parts(cfg, abstract, shardings_.rules, shardings_.mesh)
   step_lib.check_batch(cfg.train.global_batch, cfg.train.microbatches, shardings_)
   loss = loss_fn(cfg)
@@ -228,7 +221,7 @@ def setup(cfg: Config, with_data: bool = True, devices=None) -> Run:
   mesh = mesh_lib.build(spec, devices=devices)
   # What the layout cannot combine fails here, before the data, the abstract state or the
   # steps are built (make_steps repeats it for callers that build steps without setup).
-  checks.check_pipeline(cfg, rules, mesh)
+  combinations.check(cfg, dict(mesh.shape))  # warnings: the loop prints the idle axes
   t = cfg.train
   feed = feed_lib.feed(cfg.data, t.seed, t.global_batch, t.seq_len) if with_data else None
   checks.check_tokenizer_fits(cfg, feed)

@@ -81,6 +81,8 @@ def min_devices(req: inf.Request, model, acc) -> tuple[dict, inf.Estimate | None
       for s in range(1, model.n_layers + 1):
         if t * s * d > MAX_DEVICES:
           break
+        if model.n_layers % s:  # a pipeline's stages hold equal shares of the layers
+          continue
         e = inf_estimate.estimate(req, model, acc, inf.Layout(t, s, d))
         if least is None or e.memory.total < least.memory.total:
           least = e
@@ -98,11 +100,13 @@ def at_devices(req: inf.Request, model, acc, n: int) -> inf.Estimate:
   """The fastest fitting layout on exactly n devices (else the one needing least memory)."""
   found = [inf_estimate.estimate(req, model, acc, inf.Layout(t, s, n // (t * s)))
            for t in tensor_degrees(model, acc) if n % t == 0
-           for s in _divisors(n // t) if s <= model.n_layers and req.batch % (n // (t * s)) == 0]
+           for s in _divisors(n // t)
+           if model.n_layers % s == 0 and req.batch % (n // (t * s)) == 0]
   if not found:
     raise ConfigError(f"no layout of {n} devices holds {model.name} with batch {req.batch}: "
                       f"tensor degrees {tensor_degrees(model, acc)}, the data axis must "
-                      f"divide the batch and stages cannot exceed {model.n_layers} layers")
+                      f"divide the batch and the stages must divide its {model.n_layers} "
+                      f"layers (equal shares per stage)")
   fitting = [e for e in found if e.fits]
   if fitting:
     return max(fitting, key=lambda e: (e.decode.tokens_per_s, -e.layout.stage))
@@ -126,6 +130,10 @@ def plan(req: inf.Request) -> Plan:
   mins, least = min_devices(req, model, acc)
   if req.mesh is not None:
     layout = inf.layout_from_mesh(req.mesh)
+    if model.n_layers % layout.stage:
+      raise ConfigError(f"mesh {req.mesh!r}: stage {layout.stage} does not divide "
+                        f"{model.name}'s {model.n_layers} layers (a pipeline's stages hold "
+                        f"equal shares); use a stage size that divides {model.n_layers}")
     if req.devices is not None and req.devices != layout.n_devices:
       raise ConfigError(f"mesh {req.mesh!r} has {layout.n_devices} devices, --devices says "
                         f"{req.devices}")
