@@ -18,7 +18,7 @@ import shardlab.cli.run_config as run_config
 from shardlab.cli.auto import add_auto_args, resolve_auto
 from shardlab.errors import ConfigError
 from shardlab.hf import weights as hf
-from shardlab.observe import trackers
+from shardlab.observe import log_capture, trackers
 from shardlab.observe.progress import Activity
 from shardlab.runtime import distributed
 from shardlab.data import tokenizer as tokenizer_lib
@@ -187,25 +187,31 @@ def _leave(where: dict) -> None:
 def _train(args, argv, where: dict) -> int:
   if argv is None:  # train.py: the process's entry point
     cpu_entry_point()
+  logs = log_capture.LibraryLogs()  # Orbax's and JAX's logging: to run.log, not the console
   try:
-    setup_devices(args.simulate_devices)
-    how = distributed.initialize(args.coordinator, args.num_processes, args.process_id,
-                                 args.init_timeout, args.heartbeat_timeout)
-    if how and distributed.is_leader() and not args.quiet:
-      print(f"distributed: {how}", flush=True)
-    cfg = resolve_auto(config_from_args(args), args, args.fresh,
-                       say=(lambda text: None) if args.quiet else None)
-    where["checkpoint_dir"] = cfg.checkpoint.dir
-    if cfg.run_dir and distributed.is_leader():  # as resolved: auto layouts and all
-      run_config.write(cfg, cfg.run_dir)
-    loop.train(cfg, quiet=args.quiet, fresh=args.fresh, overwrite=args.overwrite,
-               stop_after=args.stop_after, param_sources={"hf": hf_params},
-               on_finish=sampler(args.sample_tokens),
-               allow_config_change=args.allow_config_change)
+    with logs:
+      setup_devices(args.simulate_devices)
+      how = distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                                   args.init_timeout, args.heartbeat_timeout)
+      if how and distributed.is_leader() and not args.quiet:
+        print(f"distributed: {how}", flush=True)
+      cfg = resolve_auto(config_from_args(args), args, args.fresh,
+                         say=(lambda text: None) if args.quiet else None)
+      where["checkpoint_dir"] = cfg.checkpoint.dir
+      if cfg.run_dir:
+        i = jax.process_index()
+        logs.keep_in(cfg.run_dir, "run.log" if i == 0 else f"run.{i}.log")
+      if cfg.run_dir and distributed.is_leader():  # as resolved: auto layouts and all
+        run_config.write(cfg, cfg.run_dir)
+      loop.train(cfg, quiet=args.quiet, fresh=args.fresh, overwrite=args.overwrite,
+                 stop_after=args.stop_after, param_sources={"hf": hf_params},
+                 on_finish=sampler(args.sample_tokens),
+                 allow_config_change=args.allow_config_change)
   except ConfigError as e:
-    return _error(e, 2)
+    return _error(e, 2, logs)
   except NonFiniteError as e:  # its own code: a scheduler can tell divergence from bad input
-    return _error(e, 3)
+    return _error(e, 3, logs)
+  _said(logs)
   return 0
 
 
@@ -224,7 +230,15 @@ def _interrupted(checkpoint_dir: str | None) -> int:
   return 130
 
 
-def _error(error: Exception, code: int) -> int:
+def _said(logs: log_capture.LibraryLogs | None) -> None:
+  """One line on what the libraries logged (kept in run.log), before our own last word."""
+  line = logs and logs.summary()
+  if line:
+    print(f"note: {line}", file=sys.stderr, flush=True)
+
+
+def _error(error: Exception, code: int, logs: log_capture.LibraryLogs | None = None) -> int:
+  _said(logs)
   print(f"error: {error}", file=sys.stderr, flush=True)
   # Several processes: this one may be alone in failing (a path only its host lacks), so
   # the others are told, and nobody waits at the exit for a peer that left.

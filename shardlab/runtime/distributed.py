@@ -156,7 +156,9 @@ def _start(init_timeout_s: float, heartbeat_timeout_s: float, coordinator: str,
   _watchdog = watchdog.Watchdog(state.client, jax.process_index(), jax.process_count(),
                                 state.coordinator_address or coordinator,
                                 heartbeat_timeout_s).start()
-  atexit.register(_watchdog.finish)  # runs before JAX's own shutdown (registered earlier)
+  # Runs before JAX's own shutdown (registered earlier): a finished process waits there
+  # for the others, watching them (watchdog.py), not at JAX's barrier.
+  atexit.register(_watchdog.finish, SHUTDOWN_TIMEOUT_S)
   previous = sys.excepthook
 
   def excepthook(kind, value, tb):  # an error no one caught, e.g. from a collective

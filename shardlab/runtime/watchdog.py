@@ -10,9 +10,15 @@ thread here can report first, since the connection it would report through is go
 
 Process 0 hosts the coordinator, so it leaves last: when it stops, the others' JAX runtime
 aborts them; when it waits for them, they stop with this module's message.
+
+A finished process keeps watching until every other one has finished too, so that a peer
+that died is named by this module rather than after JAX's shutdown barrier times out (its
+own heartbeat, 3 × timeout_s, then SIGABRT). There a peer on this host is also watched by
+its process id: its death is seen within a tick, not after timeout_s.
 """
 
 import os
+import socket
 import sys
 import threading
 import time
@@ -32,6 +38,8 @@ class Watchdog:
     self._stopped = threading.Event()
     self._failing = False  # this process is exiting with its own error: no second message
     self._last_seen: dict[int, tuple[str | None, float]] = {}
+    self._finishing = False  # this process is done and waits for the others
+    self._host = socket.gethostname()
     self._thread = threading.Thread(target=self._run, name="shardlab-watchdog", daemon=True)
 
   def start(self) -> "Watchdog":
@@ -40,6 +48,7 @@ class Watchdog:
 
   def _run(self) -> None:
     beat = 0
+    self._publish("pid", f"{self._host} {os.getpid()}")
     while not self._stopped.is_set():
       beat += 1
       try:
@@ -66,6 +75,12 @@ class Watchdog:
     for rank in self.others:
       if f"{PREFIX}done/{rank}" in status:
         continue
+      # Finished, this process waits only for peers: one on this host that is gone is dead.
+      # (While training, the heartbeat alone judges: its message is the documented one.)
+      if self._finishing and self._gone(status, rank):
+        return (f"process {rank} of {self.count} died (its process "
+                f"{_local_pid(status.get(f'{PREFIX}pid/{rank}'), self._host)} on this host "
+                f"ended without finishing: it crashed or was killed)")
       value = status.get(f"{PREFIX}alive/{rank}")
       seen, since = self._last_seen.get(rank, (None, now))
       if value != seen or rank not in self._last_seen:
@@ -75,11 +90,17 @@ class Watchdog:
                 f"(--heartbeat-timeout {self.timeout_s:g}): it died, was killed, or hangs")
     return None
 
+  def _gone(self, status: dict, rank: int) -> bool:
+    """Whether peer `rank` runs on this host and its process has ended."""
+    pid = _local_pid(status.get(f"{PREFIX}pid/{rank}"), self._host)
+    return pid is not None and not _alive(pid)
+
   def _stop_process(self, problem: str) -> None:
     if self._failing:
       return
-    print(f"error: {problem}; stopping process {self.rank} too (exit {EXIT_CODE})",
-          file=sys.stderr, flush=True)
+    what = (f"process {self.rank} had finished its part" if self._finishing else
+            f"stopping process {self.rank} too")
+    print(f"error: {problem}; {what} (exit {EXIT_CODE})", file=sys.stderr, flush=True)
     self._publish("failed", f"stopped because {problem}")  # the rest learn it at once
     self._exit(EXIT_CODE)
 
@@ -108,8 +129,8 @@ class Watchdog:
       except Exception:
         return
       beats = {r: status.get(f"{PREFIX}alive/{r}") for r in self.others
-               if f"{PREFIX}done/{r}" not in status}
-      if beats == previous:
+               if f"{PREFIX}done/{r}" not in status and not self._gone(status, r)}
+      if not beats or beats == previous:
         return
       previous = beats
       time.sleep(1.5 * TICK_S)
@@ -127,10 +148,46 @@ class Watchdog:
     self._publish("failed", message)
     self._exit(code)
 
-  def finish(self) -> None:
-    """This process is done: the others stop expecting its heartbeat."""
+  def finish(self, wait_s: float = 120.0) -> None:
+    """This process is done: the others stop expecting its heartbeat, and it waits (at most
+    `wait_s`) for them to finish too, still watching: a peer that died or failed meanwhile
+    ends this process with exit 4 naming it, instead of a wait at JAX's shutdown barrier."""
     if self._failing or self._stopped.is_set():
       return
+    self._finishing = True
+    self._publish("done", "1")
+    end = time.monotonic() + wait_s
+    while self._thread.is_alive() and time.monotonic() < end and not self._all_done():
+      self._stopped.wait(TICK_S / 4)
     self._stopped.set()
     self._thread.join(timeout=5)
-    self._publish("done", "1")
+
+  def _all_done(self) -> bool:
+    try:
+      status = dict(self.client.key_value_dir_get(PREFIX))
+    except Exception:
+      return True  # the coordinator is gone: JAX's shutdown says the rest
+    return all(f"{PREFIX}done/{r}" in status for r in self.others)
+
+
+def _local_pid(where: str | None, host: str) -> int | None:
+  """The process id a peer published ("HOST PID"), if it runs on this host."""
+  peer_host, _, pid = (where or "").partition(" ")
+  return int(pid) if peer_host == host and pid.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+  """Whether process `pid` runs (a zombie, exited but not yet reaped, does not)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rpartition(")")[2].split()[0] != "Z"
+  except FileNotFoundError:
+    return False
+  except OSError:  # no /proc here: ask the kernel
+    try:
+      os.kill(pid, 0)
+    except ProcessLookupError:
+      return False
+    except PermissionError:
+      pass
+    return True

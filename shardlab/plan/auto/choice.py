@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 
 from shardlab.errors import ConfigError
+from shardlab.observe import xla_log
 from shardlab.observe.step_report import StepReport
 from shardlab.plan.compiled import train_step as plan_compile
 from shardlab.plan.training.estimate import Estimate, Request, estimate, split_ici_dcn
@@ -208,7 +209,7 @@ def choose(req: Request, model, acc: hardware.Accelerator, n: int,
     say(f"compiling {i + 1}/{len(cands)}: {c.option.strategy} on {c.option.mesh} "
         f"(remat {c.option.remat}, {c.option.microbatches} microbatch(es))")
     c.memory_judged = judges_temporaries(req, acc, backend)
-    _compile(c, req, model, acc, compile_fn, backend)
+    _compile(c, req, model, acc, compile_fn, backend, say)
     fitting += c.fits
   fit = [c for c in cands if c.fits]
   seconds = time.perf_counter() - start
@@ -225,9 +226,13 @@ def judges_temporaries(req: Request, acc: hardware.Accelerator, backend: str) ->
   return not (backend == "cpu" and acc.kind != "cpu" and req.train.precision != "fp32")
 
 
-def _compile(c: Candidate, req: Request, model, acc, compile_fn, backend: str) -> None:
+def _compile(c: Candidate, req: Request, model, acc, compile_fn, backend: str,
+             say: Callable[[str], None]) -> None:
+  # XLA's involuntary-rematerialisation screenfuls: one line per candidate naming it.
+  layout = f"{c.option.strategy} on {c.option.mesh} (remat {c.option.remat})"
   try:
-    c.report = compile_fn(c.option)
+    with xla_log.quiet_remat(layout, None, say):
+      c.report = compile_fn(c.option)
   except ConfigError as e:
     c.verdict = f"refused: {e}"
     return

@@ -27,6 +27,7 @@ import jax
 
 from shardlab.errors import ConfigError
 from shardlab.observe.step_report import StepReport
+from shardlab.observe import xla_log
 from shardlab.plan.compiled import aot
 from shardlab.plan.compiled import train_step as plan_compile
 from shardlab.plan.training import search
@@ -122,7 +123,8 @@ def auto_layout_module(model_factory: Callable, target: hardware.Accelerator, de
   dropped = [c for c, _ in cands if c.verdict != "not compiled"]  # skipped or too big
   for c, mesh in ranked[:top_k]:
     say(f"compiling {c.strategy} on {c.mesh}")
-    _compile(c, abstract, mesh, batch, loss_fn, microbatches, acc)
+    with xla_log.quiet_remat(f"{c.strategy} on {c.mesh}", None, say):  # one line, not HLO
+      _compile(c, abstract, mesh, batch, loss_fn, microbatches, acc)
   for c, _ in ranked[top_k:]:
     c.verdict = f"not compiled: outside the top {top_k} by estimate"
   table = tuple(c for c, _ in ranked) + tuple(dropped)
