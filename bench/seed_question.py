@@ -5,10 +5,11 @@ docs/serving.md, from the planners (nothing is compiled; about half a minute on 
 
 Training: AdamW, bf16 compute with fp32 master weights and moments, full remat, 1024
 sequences of 4096 tokens per step; the fewest devices at any microbatch count
-(`shardlab plan`'s any-microbatch answer). Serving (`shardlab plan serve`): 8192-token
-context, batch 1 and 32, bf16 and int8 weights, bf16 KV cache, one sequence prefilled at a
-time; the fewest devices over tensor × stage × data layouts and the roofline decode speed
-there. tests/test_seed_question.py checks that docs/serving.md holds this output.
+(`shardlab plan`'s any-microbatch answer). Serving (`shardlab plan serve`): an 8192-token
+context, or the model's max_seq_len where that is shorter (llama2-70b: 4096; `plan serve`
+refuses more), batch 1 and 32, bf16 and int8 weights, bf16 KV cache, one sequence
+prefilled at a time; the fewest devices over tensor × stage × data layouts and the roofline
+decode speed there. tests/test_seed_question.py checks that docs/serving.md holds this output.
 """
 
 import os
@@ -51,8 +52,12 @@ def training_cell(model: str, target: str) -> str:
           f"microbatch{'es' if best['microbatches'] > 1 else ''}, {best['step_s']:.0f} s/step)")
 
 
+def context(model: str) -> int:
+  return min(CONTEXT, registry.load(model).max_seq_len)
+
+
 def serving_cell(model: str, target: str, weights: str, batch: int) -> str:
-  req = inf.Request(model=model, target=target, batch=batch, context=CONTEXT,
+  req = inf.Request(model=model, target=target, batch=batch, context=context(model),
                     weights=weights)
   best = inference_plan.plan(req).min_devices["overall"]
   layout = f"t{best['tensor']}" + (f"×s{best['stage']}" if best["stage"] > 1 else "") + \
