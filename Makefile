@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 EXTRAS ?= test
 STAMP := $(VENV)/.installed-$(shell echo $(EXTRAS) | cat - pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: train test bench clean
+.PHONY: train test fuzz bench clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "shardlab needs Python >= 3.11; set PYTHON=python3.11 (or newer)")'
@@ -20,6 +20,14 @@ train: $(STAMP)  ## the default run; pass options with ARGS="--steps 100 --strat
 
 test: $(STAMP)  ## the whole suite; extra pytest options with ARGS="-k parity"
 	$(PY) -m pytest $(ARGS)
+
+# The file readers fuzzed deeply (tests/fuzz_harness.py: the suite runs a few seeded examples
+# each; this runs 2000 random ones per test, or EXAMPLES=N) and says how many inputs it tried.
+fuzz: $(STAMP)
+	@log=$$(mktemp); SHARDLAB_FUZZ=deep SHARDLAB_FUZZ_EXAMPLES=$(EXAMPLES) \
+	  SHARDLAB_FUZZ_LOG=$$log $(PY) -m pytest -q tests/test_fuzz_*.py $(ARGS); status=$$?; \
+	  awk '{n += $$2} END {printf "fuzz: %d inputs tried\n", n}' $$log; rm -f $$log; \
+	  exit $$status
 
 bench: $(STAMP)
 	$(PY) bench/core.py $(ARGS)

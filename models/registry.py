@@ -10,7 +10,7 @@ import importlib.resources
 from pathlib import Path
 
 from shardlab import config as config_lib
-from shardlab.errors import ConfigError, parse_toml, unknown
+from shardlab.errors import ConfigError, parse_toml, read_toml, unknown
 # Imported for their registration: each file's @register puts its config on the registry.
 from shardlab.models import gpt2_config, llama_config, moe_config  # noqa: F401
 from shardlab.models import qwen2, qwen3, qwen3_moe  # noqa: F401
@@ -40,13 +40,12 @@ def load(name_or_file: str):
   if path.suffix == ".toml":
     if not path.is_file():
       raise ConfigError(f"model file {name_or_file!r} does not exist")
-    text, stem = path.read_text(), path.stem
+    data, stem = read_toml(path, f"model file {name_or_file!r}"), path.stem
   else:
     preset = _preset_dir() / f"{name_or_file}.toml"
     if not preset.is_file():
       raise unknown("model", name_or_file, presets())
-    text, stem = preset.read_text(), name_or_file
-  data = parse_toml(text, f"model file {name_or_file!r}")
+    data, stem = parse_toml(preset.read_text(), f"model preset {name_or_file!r}"), name_or_file
   data.setdefault("name", stem)
   try:
     return from_dict(data)
@@ -54,10 +53,14 @@ def load(name_or_file: str):
     raise ConfigError(f"model file {name_or_file!r}: {e}") from None
 
 
-def run_config_from_dict(data: dict) -> config_lib.Config:
-  """A run's Config from its saved JSON form (checkpoints, the AOT subprocess)."""
-  data = dict(data)
-  if not isinstance(data.get("model"), dict):
-    raise ConfigError("a saved run config needs a 'model' table")
-  model = from_dict(data.pop("model"))
-  return config_lib.from_dict(config_lib.Config, data, model=model)
+def run_config_from_dict(data: dict, where: str = "") -> config_lib.Config:
+  """A run's Config from its saved JSON form (checkpoints, the AOT subprocess); an error
+  starts with `where` (the checkpoint step it came from), if given."""
+  try:
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+      raise ConfigError("a saved run config needs a 'model' table")
+    data = dict(data)
+    model = from_dict(data.pop("model"))
+    return config_lib.from_dict(config_lib.Config, data, model=model)
+  except ConfigError as e:
+    raise ConfigError(f"{where}: {e}" if where else str(e)) from None

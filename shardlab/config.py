@@ -10,7 +10,7 @@ import types
 import typing
 from typing import Any
 
-from shardlab.errors import ConfigError, unknown
+from shardlab.errors import ConfigError, finite, unknown
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -232,7 +232,7 @@ def _coerce(value, hint, field: str):
         else str(value)
   for t in options:
     if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-      return float(value)
+      return finite(value, field)
     if t in (int, str, bool, dict) and type(value) is t:
       return value
   names = " or ".join(getattr(t, "__name__", str(t)) for t in options)

@@ -28,3 +28,31 @@ def parse_toml(text: str, what: str) -> dict:
     return tomllib.loads(text)
   except tomllib.TOMLDecodeError as e:
     raise ConfigError(f"{what} is not valid TOML: {e}") from None
+
+
+def read_toml(path, what: str) -> dict:
+  """The tables of TOML file `path`, or a ConfigError saying why `what` cannot be read: the
+  OS reason, bytes that are not UTF-8, or where the TOML is invalid."""
+  try:
+    with open(path, "rb") as f:
+      raw = f.read()
+  except OSError as e:
+    raise ConfigError(f"{what} cannot be read: {e.strerror or e}") from None
+  try:
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ConfigError(f"{what} is not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r}); "
+                      f"a TOML file must be UTF-8") from None
+  return parse_toml(text, what)
+
+
+def finite(value, field: str) -> float:
+  """`value` as a float, or a ConfigError: NaN, inf and numbers past float's range are no
+  setting's valid value (every comparison with NaN is false, so no range check sees it)."""
+  try:
+    out = float(value)
+  except OverflowError:
+    out = float("inf")
+  if out != out or out in (float("inf"), float("-inf")):
+    raise ConfigError(f"{field} must be a finite number, got {value!r}")
+  return out

@@ -288,7 +288,7 @@ def from_checkpoint(directory: str, mesh: str | None = None, strategy: str | Non
   and strategy unless others are given."""
 
   def read(restore, step):
-    cfg = registry.run_config_from_dict(restore("config"))
+    cfg = registry.run_config_from_dict(restore("config"), f"checkpoint {directory}/{step}")
     cfg = dataclasses.replace(cfg, mesh=mesh or cfg.mesh, strategy=strategy or cfg.strategy)
     p = run_lib.place(cfg)
     params = restore("params", p.abstract.state.params, p.shardings.state.params)

@@ -15,7 +15,7 @@ import typing
 from pathlib import Path
 
 from shardlab import config as config_lib
-from shardlab.errors import ConfigError, parse_toml, suggest
+from shardlab.errors import ConfigError, read_toml, suggest
 from shardlab.models import registry
 
 RESOLVED = "config.toml"  # in the run directory: every field, as the run used it
@@ -29,7 +29,7 @@ def load(path: str, default_model: str = "tiny") -> config_lib.Config:
   file = Path(path)
   if not file.is_file():
     raise ConfigError(f"run config {path!r} does not exist")
-  data = parse_toml(file.read_text(), f"run config {path!r}")
+  data = read_toml(file, f"run config {path!r}")
   try:
     model = _model(data.pop("model", default_model), file.stem)
     _check_keys(data, config_lib.Config)

@@ -25,7 +25,7 @@ import numpy as np
 
 from shardlab.config import DataConfig
 from shardlab.errors import ConfigError
-from shardlab.data import chat, chat_tokens, corpus as corpus_lib, packing, tokens
+from shardlab.data import chat, chat_tokens, corpus as corpus_lib, packing, prepared_check, tokens
 from shardlab.data import tokenizer as tokenizer_lib
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out batches never share a seed with training batches
@@ -93,8 +93,12 @@ class PackedFeed:
     start would be (a fresh run, or a byte-level checkpoint resumed under
     --allow-config-change)."""
     state = (saved or {}).get("data")
-    if not state or state.get("kind") != self.kind:
+    if not isinstance(state, dict) or state.get("kind") != self.kind:
       return step * self.batch_rows
+    natural = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    if not all(natural(state.get(k)) for k in ("rows_consumed", "rows_per_epoch")):
+      raise ConfigError(f"the checkpoint's data position {state!r} is damaged: rows_consumed "
+                        f"and rows_per_epoch must be integers >= 0; start over with --fresh")
     if state["rows_per_epoch"] != len(self.train):
       raise ConfigError(f"the checkpoint's data had {state['rows_per_epoch']} rows per epoch, "
                         f"this data has {len(self.train)}: the data or train.seq_len changed, "
@@ -115,11 +119,20 @@ class PackedFeed:
     return out
 
   def host(self, position: int, rows: tuple[int, int]) -> dict:
-    return self.train.batch(self.order(np.arange(position + rows[0], position + rows[1])))
+    return self._checked(self.train.batch(self.order(np.arange(position + rows[0],
+                                                               position + rows[1]))))
 
   def held_out(self, i: int, rows: tuple[int, int]) -> dict:
     start = i * self.batch_rows
-    return self.held.batch(np.arange(start + rows[0], start + rows[1]) % len(self.held))
+    return self._checked(self.held.batch(np.arange(start + rows[0], start + rows[1]) %
+                                         len(self.held)))
+
+  def _checked(self, batch: dict) -> dict:
+    """Every id a batch holds, checked against the vocabulary as the batch is built (the
+    directory's read looked at each shard's head only: prepared_check.FIRST_LOOK)."""
+    prepared_check.check_ids(batch["tokens"], self.tokenizer.vocab_size,
+                             f"a batch of {self.source}")
+    return batch
 
   def state(self, position: int) -> dict:
     return {"kind": self.kind, "rows_consumed": position, "rows_per_epoch": len(self.train),

@@ -37,8 +37,11 @@ class HFTokenizer:
 
   def __init__(self, path: Path):
     tokenizers = _library("tokenizers")
-    self.spec, self.inner = str(path), tokenizers.Tokenizer.from_file(str(path))
-    self.vocab_size = self.inner.get_vocab_size(with_added_tokens=True)
+    try:  # the library raises a plain Exception for a file it cannot parse
+      self.spec, self.inner = str(path), tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:
+      raise _damaged(path, "a Hugging Face tokenizer.json", e) from None
+    self.vocab_size = _checked_vocab(path, self.inner.get_vocab_size(with_added_tokens=True))
     named = _configured(path.parent)
     self.eos_id = self._id(named.get("eos_token"), EOS_NAMES)
     self.bos_id = self._id(named.get("bos_token"), BOS_NAMES)
@@ -65,8 +68,12 @@ class SentencePieceTokenizer:
 
   def __init__(self, path: Path):
     sentencepiece = _library("sentencepiece")
-    self.spec, self.inner = str(path), sentencepiece.SentencePieceProcessor(model_file=str(path))
-    self.vocab_size = self.inner.get_piece_size()
+    try:  # OSError or RuntimeError for a file that is not a serialized ModelProto
+      self.spec = str(path)
+      self.inner = sentencepiece.SentencePieceProcessor(model_file=str(path))
+    except Exception as e:
+      raise _damaged(path, "a SentencePiece .model", e) from None
+    self.vocab_size = _checked_vocab(path, self.inner.get_piece_size())
     self.eos_id = self.inner.eos_id() if self.inner.eos_id() >= 0 else None
     self.bos_id = self.inner.bos_id() if self.inner.bos_id() >= 0 else None
 
@@ -85,14 +92,42 @@ def _library(name: str):
                       f"'shardlab[data]' (or pip install {name})") from None
 
 
+def _damaged(path: Path, kind: str, error: Exception) -> ConfigError:
+  text = str(error).strip()
+  reason = text.splitlines()[0][:300] if text else type(error).__name__
+  return ConfigError(f"data.tokenizer {str(path)!r} cannot be read as {kind}: {reason}; the "
+                     f"file is damaged, truncated or of another kind (valid: 'bytes', a "
+                     f"tokenizer.json, a SentencePiece .model, or a directory holding one)")
+
+
+def _checked_vocab(path: Path, size: int) -> int:
+  if size < 1:
+    raise ConfigError(f"data.tokenizer {str(path)!r} has an empty vocabulary; valid: a "
+                      f"tokenizer with at least one token")
+  return size
+
+
 def _configured(directory: Path) -> dict:
-  """eos_token / bos_token names from a tokenizer_config.json, if there is one."""
-  try:
-    config = json.loads((directory / "tokenizer_config.json").read_text())
-  except (OSError, json.JSONDecodeError):
+  """eos_token / bos_token names from a tokenizer_config.json, if there is one; one that
+  cannot be read, or names them as something other than a string, is refused by name."""
+  path = directory / "tokenizer_config.json"
+  if not path.exists():
     return {}
+  try:
+    config = json.loads(path.read_bytes())
+  except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON or not UTF-8
+    raise ConfigError(f"{path} (beside data.tokenizer) cannot be read: {e}; fix or remove "
+                      f"it") from None
+  if not isinstance(config, dict):
+    raise ConfigError(f"{path} (beside data.tokenizer) must hold a JSON object, got "
+                      f"{type(config).__name__}; fix or remove it")
   plain = lambda v: v.get("content") if isinstance(v, dict) else v
-  return {k: plain(config.get(k)) for k in ("eos_token", "bos_token")}
+  out = {k: plain(config.get(k)) for k in ("eos_token", "bos_token")}
+  for key, name in out.items():
+    if name is not None and not isinstance(name, str):
+      raise ConfigError(f"{path}: {key} = {name!r} is not valid; valid: a token string, "
+                        f"{{\"content\": TOKEN}} or null")
+  return out
 
 
 def find(spec: str) -> Path | None:

@@ -23,7 +23,7 @@ from typing import Iterator
 import numpy as np
 
 from shardlab.errors import ConfigError
-from shardlab.data import outdir, records, workers as workers_lib
+from shardlab.data import outdir, prepared_check, records, workers as workers_lib
 from shardlab.data import tokenizer as tokenizer_lib
 
 INDEX = outdir.INDEX
@@ -251,12 +251,13 @@ def read_prepared(directory: str | Path) -> tuple[dict, dict[str, list[Shard]]]:
   """(index, {split: shards}) of a prepared directory, memory-mapped."""
   directory = Path(directory)
   try:
-    index = json.loads((directory / INDEX).read_text())
-    splits = {s: [Shard(np.load(directory / f["tokens"], mmap_mode="r"),
-                        np.load(directory / f["docs"]),
-                        np.load(directory / f["mask"], mmap_mode="r") if "mask" in f else None)
+    index = json.loads((directory / INDEX).read_bytes())
+    prepared_check.check_index(directory, index)
+    splits = {s: [Shard(*prepared_check.load_shard(directory, f, index))
                   for f in index["splits"][s]] for s in SPLITS}
-  except (OSError, KeyError, ValueError, json.JSONDecodeError) as e:
+  except (OSError, EOFError, KeyError, ValueError, SyntaxError, RecursionError) as e:
+    if isinstance(e, ConfigError):
+      raise
     raise ConfigError(f"{directory} is not a complete prepared data directory "
                       f"({type(e).__name__}: {e}); rerun shardlab data prepare") from None
   return index, splits
@@ -266,13 +267,20 @@ def read_token_file(path: str | Path, tok, held_out_fraction: float):
   """{split: [Shard]} of a nanoGPT-style token file of `tok`'s ids: documents end after each
   EOS; the last `held_out_fraction` of the tokens (from a document start) is held out."""
   path = Path(path)
-  tokens = (np.memmap(path, np.uint16, mode="r") if path.suffix == ".bin"
-            else np.load(path, mmap_mode="r"))
-  if tokens.ndim != 1:
-    raise ConfigError(f"data.corpus {str(path)!r} holds a {tokens.ndim}-D array; a token "
-                      f"file is one 1-D stream of ids")
+  try:  # numpy's own errors for a damaged file are of many kinds (prepared_check._load)
+    tokens = (np.memmap(path, np.uint16, mode="r") if path.suffix == ".bin"
+              else np.load(path, mmap_mode="r"))
+  except Exception as e:
+    raise ConfigError(f"data.corpus {str(path)!r} is not a readable token file "
+                      f"({type(e).__name__}: {str(e)[:200]}); valid: raw uint16 ids (.bin) "
+                      f"or a 1-D integer .npy array") from None
+  if tokens.ndim != 1 or tokens.dtype.kind not in "ui":
+    raise ConfigError(f"data.corpus {str(path)!r} holds a {tokens.ndim}-D {tokens.dtype} "
+                      f"array; a token file is one 1-D stream of integer ids")
   top = int(tokens.max()) if len(tokens) else 0
-  if top >= tok.vocab_size:  # one pass; an id past the vocabulary would train on garbage
+  if tokens.dtype.kind == "i" and len(tokens) and int(tokens.min()) < 0:
+    top = int(tokens.min())  # a negative id is as outside the vocabulary as a large one
+  if not 0 <= top < tok.vocab_size:  # one pass; an id past the vocabulary trains on garbage
     raise ConfigError(f"data.corpus {str(path)!r} holds token id {top}, outside the "
                       f"vocabulary of data.tokenizer {tok.spec!r} ({tok.vocab_size} ids); set "
                       f"data.tokenizer to the tokenizer that wrote the file")

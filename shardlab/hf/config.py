@@ -23,18 +23,33 @@ def read(hf_dir: str | Path) -> dict:
     raise ConfigError(f"{hf_dir} has no {CONFIG_FILE}; expected a Hugging Face model "
                       f"directory (config.json + model.safetensors)")
   try:
-    data = json.loads(path.read_text())
-  except json.JSONDecodeError as e:
+    data = json.loads(path.read_bytes())
+  except OSError as e:
+    raise ConfigError(f"{path} cannot be read: {e.strerror or e}") from None
+  except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
     raise ConfigError(f"{path} is not valid JSON: {e}") from None
   if not isinstance(data, dict):
     raise ConfigError(f"{path} must hold a JSON object")
   return data
 
 
-def to_model(hf: dict, name: str = "hf", where: str = CONFIG_FILE):
-  """The model config of a config.json, by the adapter that claims it; a ConfigError naming
-  the architecture no adapter reads, or the field its adapter cannot hold."""
-  return families.for_hf(hf, where).to_model(hf, name, where)
+def to_model(hf: dict, name: str = "hf", where: str = CONFIG_FILE, family=None):
+  """The model config of a config.json, by `family` or the adapter that claims it; a
+  ConfigError naming the file and the architecture no adapter reads, or the field its
+  adapter cannot hold. The adapters check the fields they read by name; a value of a type
+  no check foresaw still ends in a ConfigError naming the file, never a traceback."""
+  family = family or families.for_hf(hf, where)
+  try:
+    return family.to_model(hf, name, where)
+  except ConfigError as e:
+    if where in str(e):
+      raise
+    raise ConfigError(f"{where}: {e}") from None  # the model config's own checks
+  except (TypeError, ValueError, KeyError, AttributeError, ZeroDivisionError,
+          OverflowError) as e:
+    raise ConfigError(f"{where}: a field holds a value of the wrong type or range "
+                      f"({type(e).__name__}: {e}); compare it with a config.json that "
+                      f"transformers wrote") from None
 
 
 def to_toml(m) -> str:

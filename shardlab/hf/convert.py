@@ -98,7 +98,7 @@ def export_checkpoint(ckpt_dir: str | Path, hf_dir: str | Path, mesh: str = DEFA
 
   def read(restore, step):
     try:
-      cfg = registry.run_config_from_dict(restore("config"))
+      cfg = registry.run_config_from_dict(restore("config"), f"checkpoint {ckpt_dir}/{step}")
     except (TypeError, KeyError) as e:
       raise ConfigError(f"the config saved in {ckpt_dir}/{step} is not a shardlab run "
                         f"config ({e})") from None

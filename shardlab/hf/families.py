@@ -27,8 +27,21 @@ def supported() -> str:
   return f"{', '.join(archs)} (model_type {', '.join(map(repr, types))})"
 
 
+def _check_names(hf: dict, where: str) -> None:
+  """`architectures` (a list of names) and `model_type` (a name), the fields every adapter's
+  claim reads, or a ConfigError naming the field and value."""
+  archs, kind = hf.get("architectures"), hf.get("model_type")
+  if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str)
+                                                               for a in archs)):
+    raise ConfigError(f"{where}: architectures = {archs!r} is not valid; valid: a list of "
+                      f"architecture names, e.g. [\"LlamaForCausalLM\"]")
+  if kind is not None and not isinstance(kind, str):
+    raise ConfigError(f"{where}: model_type = {kind!r} is not valid; valid: a string")
+
+
 def for_hf(hf: dict, where: str = CONFIG_FILE) -> Adapter:
   """The adapter that reads `hf`, or a ConfigError listing the supported architectures."""
+  _check_names(hf, where)
   found = [a for a in ADAPTERS.values() if a.claims(hf)]
   # Where several claim a config: a variant's adapter (a subclass) over its base's, then the
   # family named as the config's model_type (a bundled qwen2 over a test's variant).
@@ -51,6 +64,7 @@ def for_dir(hf: dict, model, where: str = CONFIG_FILE) -> Adapter:
   """The adapter that reads `hf` for a run of `model`: the model's own if it claims the
   config (so its refusals name the field: llama's `attention_bias`, even where a variant
   would claim it), else the one that does (check_matches then names the other arch)."""
+  _check_names(hf, where)
   own = for_model(model)
   return own if own.claims(hf) else for_hf(hf, where)
 

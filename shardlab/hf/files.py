@@ -37,29 +37,52 @@ class TensorInfo:
 
 
 def _header(path: Path) -> dict[str, TensorInfo]:
-  with open(path, "rb") as f:
-    raw = f.read(8)
-    size = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
-    if not 0 < size <= _MAX_HEADER:
-      raise ConfigError(f"{path} is not a safetensors file (bad header length)")
-    try:
+  """Every tensor the file's header lists, each checked against the file's size before
+  anything is read or allocated: a truncated file, or a header claiming bytes the file does
+  not hold, is a ConfigError naming the file and the tensor."""
+  try:
+    file_bytes = path.stat().st_size
+    with open(path, "rb") as f:
+      raw = f.read(8)
+      size = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+      if not 0 < size <= min(_MAX_HEADER, file_bytes - 8):
+        raise ConfigError(f"{path} is not a safetensors file: header length {size} does not "
+                          f"fit the file's {file_bytes} bytes (valid: 1..{_MAX_HEADER}, "
+                          f"within the file); the file is damaged or truncated")
       header = json.loads(f.read(size))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      raise ConfigError(f"{path} is not a safetensors file (header: {e})") from None
-  base, out = 8 + size, {}
-  for name, entry in header.items():
-    if name == "__metadata__":
-      continue
-    if entry["dtype"] not in DTYPES:
-      raise ConfigError(f"tensor {name} in {path.name} has dtype {entry['dtype']}; "
-                        f"supported: {', '.join(DTYPES)}")
-    dtype, shape = DTYPES[entry["dtype"]], tuple(entry["shape"])
-    start, end = entry["data_offsets"]
-    if end - start != math.prod(shape) * dtype.itemsize:
-      raise ConfigError(f"tensor {name} in {path.name}: byte range {start}..{end} does not "
-                        f"hold shape {shape} of {entry['dtype']}; the file is damaged")
-    out[name] = TensorInfo(path, dtype, shape, base + start, base + end)
-  return out
+  except OSError as e:
+    raise ConfigError(f"{path} cannot be read: {e.strerror or e}") from None
+  except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+    raise ConfigError(f"{path} is not a safetensors file (header: {e})") from None
+  if not isinstance(header, dict):
+    raise ConfigError(f"{path} is not a safetensors file: its header is not a JSON object")
+  base = 8 + size
+  return {name: _tensor(path, name, entry, base, file_bytes - base)
+          for name, entry in header.items() if name != "__metadata__"}
+
+
+def _tensor(path: Path, name: str, entry, base: int, data_bytes: int) -> TensorInfo:
+  """One header entry as a TensorInfo, or a ConfigError naming the file, tensor and field."""
+  where = f"tensor {name!r} in {path}"
+  if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+    raise ConfigError(f"{where}: header entry {entry!r} is not an object with dtype, shape "
+                      f"and data_offsets; the file is damaged")
+  code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+  if not isinstance(code, str) or code not in DTYPES:
+    raise ConfigError(f"{where} has dtype {code!r}; supported: {', '.join(DTYPES)}")
+  natural = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0
+  if not isinstance(shape, list) or not all(map(natural, shape)):
+    raise ConfigError(f"{where}: shape {shape!r} is not a list of sizes >= 0; the file is "
+                      f"damaged")
+  if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(natural, offsets))
+          and offsets[0] <= offsets[1] <= data_bytes):
+    raise ConfigError(f"{where}: data_offsets {offsets!r} is not a byte range within the "
+                      f"file's {data_bytes} data bytes; the file is damaged or truncated")
+  dtype, (start, end) = DTYPES[code], offsets
+  if end - start != math.prod(shape) * dtype.itemsize:
+    raise ConfigError(f"{where}: byte range {start}..{end} does not hold shape "
+                      f"{tuple(shape)} of {code}; the file is damaged")
+  return TensorInfo(path, dtype, tuple(shape), base + start, base + end)
 
 
 def _listing(directory: Path) -> str:
@@ -88,12 +111,18 @@ class Reader:
 
   def _indexed_files(self, directory: Path) -> list[Path]:
     try:
-      weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+      weight_map = json.loads((directory / INDEX_FILE).read_bytes())["weight_map"]
+    except OSError as e:
+      raise ConfigError(f"{directory / INDEX_FILE} cannot be read: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
       raise ConfigError(f"{directory / INDEX_FILE} is not a safetensors index "
                         f"({type(e).__name__}: {e})") from None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(v, str) and v and Path(v).name == v for v in weight_map.values()):
+      raise ConfigError(f"{directory / INDEX_FILE}: weight_map must map each tensor name to "
+                        f"a file name in {directory}, got {str(weight_map)[:200]}")
     files = sorted({directory / name for name in weight_map.values()})
-    missing = [p.name for p in files if not p.exists()]
+    missing = [p.name for p in files if not p.is_file()]
     if missing:
       raise ConfigError(f"{directory / INDEX_FILE} names shard file(s) that do not exist: "
                         f"{', '.join(missing)}")

@@ -8,6 +8,8 @@ models/llama.py uses HF's rotate-half RoPE and HF's repeat_kv head grouping (que
 reads kv head i // (H / K)). Variants (a bias, other MLPs) subclass LlamaAdapter.
 """
 
+import math
+
 from shardlab.errors import ConfigError
 from shardlab.hf.adapter import CONFIG_FILE, LAYER, Adapter, Mapping, adapter
 
@@ -22,28 +24,51 @@ def block(param: str, hf: str, hf_dims, dims, kind: str = "weight") -> Mapping:
                  hf_dims, dims)
 
 
-def _rope(hf: dict, where: str) -> dict:
-  """The model.rope_* fields from either layout: top-level `rope_theta` + `rope_scaling`
-  (transformers 4), or `rope_parameters` (transformers 5)."""
-  params = hf.get("rope_parameters") or {}
-  scaling = hf.get("rope_scaling") or {}
-  out = {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))}
-  for source, table in (("rope_parameters", params), ("rope_scaling", scaling)):
-    kind = table.get("rope_type", table.get("type", "default"))
-    if kind not in ROPE_TYPES:
-      raise ConfigError(f"{where}: unsupported {source} type {kind!r}; shardlab's Llama "
-                        f"supports {', '.join(map(repr, ROPE_TYPES))}")
-    if kind == "default":
-      continue
-    try:
-      out.update(rope_scaling=ROPE_TYPES[kind], rope_factor=float(table["factor"]))
-      if kind == "llama3":
-        out.update(rope_low_freq_factor=float(table["low_freq_factor"]),
-                   rope_high_freq_factor=float(table["high_freq_factor"]),
-                   rope_original_max_seq_len=int(table["original_max_position_embeddings"]))
-    except KeyError as e:
-      raise ConfigError(f"{where}: {source} of type {kind!r} lacks {e.args[0]!r}") from None
+def _rope(hf: dict, where: str, default_theta: float = 10000.0) -> dict:
+  """The model.rope_* fields, resolved as transformers 5 resolves them
+  (PreTrainedConfig.convert_rope_params_to_dict): a non-empty legacy `rope_scaling` table
+  replaces `rope_parameters` whole; the theta is that table's own `rope_theta`, else the
+  top-level `rope_theta`, else the family's default (Mixtral's is 1e6)."""
+  source = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+  table = hf.get(source) or {}
+  if not isinstance(table, dict):
+    raise ConfigError(f"{where}: {source} = {table!r} is not valid; valid: a table (rope_type, "
+                      f"rope_theta, factor, ...) or null")
+  theta = table.get("rope_theta", hf.get("rope_theta", default_theta))
+  out = {"rope_theta": positive(theta, f"{source}.rope_theta", where)}
+  kind = table.get("rope_type", table.get("type", "default"))
+  if not isinstance(kind, str) or kind not in ROPE_TYPES:
+    raise ConfigError(f"{where}: unsupported {source} type {kind!r}; shardlab's Llama "
+                      f"supports {', '.join(map(repr, ROPE_TYPES))}")
+  if kind == "default":
+    return out
+  try:
+    read = lambda key: positive(table[key], f"{source}.{key}", where)
+    out.update(rope_scaling=ROPE_TYPES[kind], rope_factor=read("factor"))
+    if kind == "llama3":
+      out.update(rope_low_freq_factor=read("low_freq_factor"),
+                 rope_high_freq_factor=read("high_freq_factor"),
+                 rope_original_max_seq_len=count(table["original_max_position_embeddings"],
+                                                 f"{source}.original_max_position_embeddings",
+                                                 where))
+  except KeyError as e:
+    raise ConfigError(f"{where}: {source} of type {kind!r} lacks {e.args[0]!r}") from None
   return out
+
+
+def positive(value, field: str, where: str) -> float:
+  """A config.json number that must be finite and > 0, or a ConfigError naming it."""
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+      math.isfinite(value) if isinstance(value, float) else value < 1e300) or value <= 0:
+    raise ConfigError(f"{where}: {field} = {value!r} is not valid; valid: a finite number > 0")
+  return float(value)
+
+
+def count(value, field: str, where: str, low: int = 1) -> int:
+  """A config.json integer that must be >= `low`, or a ConfigError naming it."""
+  if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    raise ConfigError(f"{where}: {field} = {value!r} is not valid; valid: an integer >= {low}")
+  return value
 
 
 def _rope_scaling(m) -> dict | None:
@@ -85,6 +110,7 @@ class LlamaAdapter(Adapter):
   label = "Llama"
   architectures = ("LlamaForCausalLM",)
   model_types = ("llama",)
+  default_theta = 10000.0  # transformers' LlamaConfig.default_theta: no rope_theta anywhere
   fields = {"vocab_size": "vocab_size", "d_model": "hidden_size",
             "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
             "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
@@ -121,13 +147,21 @@ class LlamaAdapter(Adapter):
       if key in hf and hf[key] not in (expected, None):
         raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported ({why}); "
                           f"valid: {expected!r}")
+    for key in REQUIRED:
+      count(hf[key], key, where)
+    for key in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+      if hf.get(key) is not None:  # null: derived or defaulted, as transformers does
+        count(hf[key], key, where)
+    if hf.get("rms_norm_eps") is not None:
+      positive(hf["rms_norm_eps"], "rms_norm_eps", where)
     heads = hf["num_attention_heads"]
     return dict(
         name=name, vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
         n_layers=hf["num_hidden_layers"], n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        mlp_dim=hf["intermediate_size"], **_rope(hf, where), **_token_ids(hf, where),
+        mlp_dim=hf["intermediate_size"], **_rope(hf, where, self.default_theta),
+        **_token_ids(hf, where),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_seq_len=hf.get("max_position_embeddings", 2048))

@@ -26,6 +26,7 @@ class MixtralAdapter(LlamaAdapter):
   label = "Mixtral"
   architectures = ("MixtralForCausalLM",)
   model_types = ("mixtral",)
+  default_theta = 1e6  # transformers' MixtralConfig.default_theta
   fields = {**LlamaAdapter.fields, "n_experts": "num_local_experts",
             "experts_per_token": "num_experts_per_tok"}
 

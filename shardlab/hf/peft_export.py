@@ -32,7 +32,7 @@ def export_adapter(ckpt_dir, out_dir, mesh: str = hf_convert.DEFAULT_MESH,
   out = hf_convert._check_output(Path(ckpt_dir), Path(out_dir), overwrite)
 
   def read(restore, step):
-    cfg = registry.run_config_from_dict(restore("config"))
+    cfg = registry.run_config_from_dict(restore("config"), f"checkpoint {ckpt_dir}/{step}")
     if not cfg.lora.rank:
       raise ConfigError(f"the checkpoint in {ckpt_dir}/{step} has no LoRA adapters "
                         f"(lora.rank 0); export the model with `convert to-hf` without --peft")

@@ -15,7 +15,7 @@ import math
 
 from shardlab.errors import ConfigError
 from shardlab.hf.adapter import CONFIG_FILE, Mapping, adapter, fuse
-from shardlab.hf.llama import LlamaAdapter, block
+from shardlab.hf.llama import LlamaAdapter, block, positive
 from shardlab.hf.mistral import MistralAdapter
 
 ROPE_TYPES = {"default": "default", "longrope": "longrope", "su": "longrope",
@@ -48,24 +48,27 @@ def _longrope(hf: dict, table: dict, source: str, where: str) -> dict:
 
 
 def _rope(hf: dict, where: str) -> dict:
-  """The model.rope_* fields from either layout: top-level `rope_theta` + `rope_scaling`
-  (transformers 4), or `rope_parameters` (transformers 5)."""
-  params = hf.get("rope_parameters") or {}
-  scaling = hf.get("rope_scaling") or {}
-  out = {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
+  """The model.rope_* fields, resolved as transformers 5's Phi3Config resolves them: a
+  non-empty legacy `rope_scaling` replaces `rope_parameters` whole; the theta is that
+  table's, else the top-level `rope_theta`, else 10000."""
+  source = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+  table = hf.get(source) or {}
+  if not isinstance(table, dict):
+    raise ConfigError(f"{where}: {source} = {table!r} is not valid; valid: a table or null")
+  theta = table.get("rope_theta", hf.get("rope_theta", 10000.0))
+  out = {"rope_theta": positive(theta, f"{source}.rope_theta", where),
          "rope_original_max_seq_len": hf["original_max_position_embeddings"]}
-  for source, table in (("", hf), ("rope_parameters.", params), ("rope_scaling.", scaling)):
-    partial = table.get("partial_rotary_factor")
+  for prefix, t in (("", hf), (f"{source}.", table)):
+    partial = t.get("partial_rotary_factor")
     if partial not in (None, 1, 1.0):
-      raise ConfigError(f"{where}: {source}partial_rotary_factor={partial!r} is not supported "
+      raise ConfigError(f"{where}: {prefix}partial_rotary_factor={partial!r} is not supported "
                         f"(RoPE turns every dim of a head); valid: 1.0")
-  for source, table in (("rope_parameters", params), ("rope_scaling", scaling)):
-    kind = table.get("rope_type", table.get("type", "default"))
-    if kind not in ROPE_TYPES:
-      raise ConfigError(f"{where}: unsupported {source} type {kind!r}; shardlab's Phi-3 "
-                        f"supports {', '.join(map(repr, ROPE_TYPES))}")
-    if ROPE_TYPES[kind] == "longrope":
-      out.update(_longrope(hf, table, source, where))
+  kind = table.get("rope_type", table.get("type", "default"))
+  if not isinstance(kind, str) or kind not in ROPE_TYPES:
+    raise ConfigError(f"{where}: unsupported {source} type {kind!r}; shardlab's Phi-3 "
+                      f"supports {', '.join(map(repr, ROPE_TYPES))}")
+  if ROPE_TYPES[kind] == "longrope":
+    out.update(_longrope(hf, table, source, where))
   return out
 
 

@@ -133,7 +133,7 @@ def load_params(hf_dir: str | Path, model, abstract: Abstract, sh: Shardings):
   """Params of the HF model in `hf_dir`, each born on `sh.state.params` in the abstract
   state's dtype. `model` (the run's model config) must compute what config.json does."""
   hf, where = hf_config.read(hf_dir), str(Path(hf_dir) / CONFIG_FILE)
-  hf_model = families.for_dir(hf, model, where).to_model(hf, model.name, where)
+  hf_model = hf_config.to_model(hf, model.name, where, families.for_dir(hf, model, where))
   family = families.for_model(model)
   family.check_matches(hf_model, model, hf_dir)
   tensors = family.reader(hf_files.Reader(hf_dir), model)

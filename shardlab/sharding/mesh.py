@@ -15,7 +15,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from shardlab.errors import ConfigError, parse_toml, unknown
+from shardlab.errors import ConfigError, read_toml, unknown
 
 # `context`: context parallelism, the sequence split over devices for the whole model
 # (docs/long-context.md).
@@ -73,6 +73,9 @@ class MeshSpec:
 
 def _check_axes(part: dict, where: str) -> dict:
   out = {}
+  if not isinstance(part, dict):
+    raise ConfigError(f"{where} must be a table of axis = size, got {part!r}; axes: "
+                      f"{', '.join(AXES)}")
   for axis, size in part.items():
     if axis not in AXES:
       raise unknown(f"mesh axis in {where}", axis, AXES)
@@ -83,7 +86,8 @@ def _check_axes(part: dict, where: str) -> dict:
 
 
 def _validate(spec: MeshSpec) -> MeshSpec:
-  ici, dcn = _check_axes(spec.ici, f"mesh {spec.name!r} ici"), _check_axes(spec.dcn, "dcn")
+  ici = _check_axes(spec.ici, f"mesh {spec.name!r} ici")
+  dcn = _check_axes(spec.dcn, f"mesh {spec.name!r} dcn")
   wild = [f"{where}.{a}" for where, part in (("ici", ici), ("dcn", dcn))
           for a, s in part.items() if s == -1]
   if len(wild) > 1:
@@ -120,11 +124,14 @@ def load(name: str) -> MeshSpec:
       raise unknown("mesh preset", name, presets())
   elif not path.is_file():
     raise ConfigError(f"mesh file {name!r} does not exist")
-  data = parse_toml(path.read_text(), f"mesh file {name!r}")
+  data = read_toml(path, f"mesh file {name!r}")
   extra = set(data) - {"ici", "dcn", "accelerator", "description"}
   if extra:
     raise unknown(f"key in mesh file {path.name}", sorted(extra)[0],
                   ("ici", "dcn", "accelerator", "description"))
+  if not isinstance(data.get("accelerator", ""), str):
+    raise ConfigError(f"mesh file {name!r}: accelerator must be a string (a target name), "
+                      f"got {data['accelerator']!r}")
   return _validate(MeshSpec(ici=data.get("ici", {}), dcn=data.get("dcn", {}), name=path.stem,
                             accelerator=data.get("accelerator")))
 
