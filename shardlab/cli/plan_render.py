@@ -108,19 +108,22 @@ def _time_lines(result) -> list[str]:
   lines = ["", "communication per device per step"]
   lines += [f"  {kind:18s}{gib(b, 9)}" for kind, b in e.collectives.items()]
   return lines + [
-      "", "predicted step time (roofline; compute at an achievable fraction of peak)",
+      "", "predicted step time (plan/training/step_time.py: compute + exposed collectives)",
       f"  compute {e.compute_s * 1e3:10.1f} ms   ({e.flops_per_device / 1e12:.1f} TFLOP per "
-      f"device incl. remat, at {e.efficiency:.0%} of peak)",
+      f"device incl. remat; matmuls at {e.efficiency:.0%} of peak "
+      f"{e.time.matmul_s * 1e3:.1f} ms, attention {e.time.attention_s * 1e3:.1f} ms, "
+      f"memory-bound ops {e.time.elementwise_s * 1e3:.1f} ms)",
       f"  memory  {e.memory_s * 1e3:10.1f} ms   (HBM traffic)",
       f"  comm    {e.comm_s * 1e3:10.1f} ms   (ICI {acc.ici_bw / 1e9:.0f} GB/s, DCN "
-      f"{acc.dcn_bw / 1e9:.1f} GB/s per device)",
+      f"{acc.dcn_bw / 1e9:.1f} GB/s per device; {e.time.exposed_comm_s * 1e3:.1f} ms exposed)",
       *([f"  host    {e.host_s * 1e3:10.1f} ms   (offload traffic at "
          f"{acc.host_bw / 1e9:.0f} GB/s each way)"] if e.host_transfer_bytes else []),
       f"  step    {e.step_s * 1e3:10.1f} ms   bound by {e.binding}; "
       f"{e.tokens_per_s:,.0f} tokens/s" + (f"; pipeline {e.pipeline.schedule}, bubble "
                                              f"{e.pipeline.bubble:.1%}" if e.pipeline else ""),
-      f"  MFU     {e.mfu:10.1%} predicted (assumes {e.efficiency:.0%} of peak on {acc.name}: "
-      f"{acc.efficiency_source}); roofline ceiling {e.mfu_ceiling:.1%}", ""]
+      f"  MFU     {e.mfu:10.1%} predicted (matmuls at {e.efficiency:.0%} of peak on "
+      f"{acc.name}: {acc.efficiency:.0%} from {acc.efficiency_source}, × the step model's "
+      f"matmul factor); roofline ceiling {e.mfu_ceiling:.1%}", ""]
 
 
 def _scaling_lines(result) -> list[str]:

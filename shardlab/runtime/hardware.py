@@ -16,13 +16,17 @@ Conventions (so every entry means the same thing):
               single-slice size. Mesh axes beyond it must cross DCN;
   efficiency  the fraction of peak_flops a well-tuned large training run achieves on the FLOPs
               it executes (published MFU/HFU; `efficiency_source` says whose). A roofline at
-              100% of peak is a ceiling no real step reaches: the planner predicts compute time
-              as FLOPs / (peak × efficiency) and reports the ceiling beside it.
+              100% of peak is a ceiling no real step reaches. The planner's step model
+              (shardlab/plan/training/step_time.py) runs the weight matmuls at
+              step_time.MATMUL_OVER_STEP × this (a step's large matmuls run faster than its
+              average, which carries attention, memory-bound ops and exposed collectives),
+              and those other parts on their own terms; it reports the ceiling beside it.
 """
 
 import dataclasses
+import math
 
-from shardlab.errors import ConfigError, unknown
+from shardlab.errors import ConfigError, read_toml, unknown
 from shardlab.runtime.units import GB, GiB, MiB
 
 
@@ -133,21 +137,60 @@ def get(name: str) -> Accelerator:
   return ACCELERATORS[name]
 
 
+# Each field a target file may set: (type, lowest, highest, what it is). Bounds are
+# inclusive; None: unbounded. The planner divides by the rates and the efficiency, so none
+# may be zero, and no number may be NaN or inf.
+_BYTES, _RATE = (float, 1, None, "bytes"), (float, 1, None, "bytes/s")
+FILE_FIELDS = {
+    "name": (str, None, None, "a label"), "peak_flops": (float, 1, None, "FLOP/s"),
+    "hbm_bytes": _BYTES, "hbm_bw": _RATE, "ici_bw": _RATE, "dcn_bw": _RATE,
+    "host_bw": _RATE, "ici_domain": (int, 1, None, "devices"),
+    "reserve_bytes": (float, 0, None, "bytes"), "kind": (str, None, None, "gpu or tpu"),
+    "topology": (str, None, None, "a TPU topology name"),
+    "efficiency": (float, 1e-6, 1.0, "a fraction of peak_flops"),
+    "efficiency_source": (str, None, None, "a citation")}
+_KINDS = ("gpu", "tpu")
+
+
+def _checked(path: str, field: str, value):
+  """`value` of a target file's `field` as its declared type, or a ConfigError naming the
+  file, the field, the value and what is valid."""
+  kind, low, high, what = FILE_FIELDS[field]
+  number = isinstance(value, (int, float)) and not isinstance(value, bool)
+  if kind is str:
+    valid = _KINDS if field == "kind" else None
+    if isinstance(value, str) and (valid is None or value in valid):
+      return value
+    if field == "topology" and value is None:
+      return None
+    expected = f"one of {', '.join(valid)}" if valid else "a string"
+  else:
+    # An int field takes only integers; a float field any finite number (10**400 is not).
+    ok = number and (isinstance(value, int) if kind is int else
+                     math.isfinite(value) if isinstance(value, float) else abs(value) < 1e300)
+    if ok and (low is None or value >= low) and (high is None or value <= high):
+      return value  # as written: an int stays an int, as in the table above
+    expected = (f"{'an integer' if kind is int else 'a finite number'}"
+                f"{f' >= {low:g}' if low is not None else ''}"
+                f"{f' and <= {high:g}' if high is not None else ''} ({what})")
+  raise ConfigError(f"target file {path!r}: {field} = {value!r} is not valid; valid: "
+                    f"{expected}")
+
+
 def from_file(path: str) -> Accelerator:
   """An accelerator from TOML: `base = "a100-80g"` and the fields that differ (a part with
   less memory, a slower network), or every field. Sizes in bytes, bandwidths in bytes/s."""
-  import tomllib
-  try:
-    with open(path, "rb") as f:
-      fields = tomllib.load(f)
-  except (OSError, tomllib.TOMLDecodeError) as e:
-    raise ConfigError(f"target file {path!r}: {e}") from None
-  known = {f.name for f in dataclasses.fields(Accelerator)}
-  extra = set(fields) - known - {"base"}
+  fields = read_toml(path, f"target file {path!r}")
+  extra = set(fields) - set(FILE_FIELDS) - {"base"}
   if extra:
     raise ConfigError(f"target file {path!r}: unknown field(s) {', '.join(sorted(extra))}; "
-                      f"valid: base, {', '.join(sorted(known))}")
-  base = dataclasses.asdict(get(fields.pop("base"))) if "base" in fields else {}
+                      f"valid: base, {', '.join(sorted(FILE_FIELDS))}")
+  base = fields.pop("base", None)
+  if base is not None and (not isinstance(base, str) or base not in ACCELERATORS):
+    raise ConfigError(f"target file {path!r}: base: "
+                      f"{unknown('target accelerator', base, ACCELERATORS)}")
+  base = dataclasses.asdict(ACCELERATORS[base]) if base is not None else {}
+  fields = {k: _checked(path, k, v) for k, v in fields.items()}
   merged = {**base, "name": path, **fields}
   missing = sorted(f.name for f in dataclasses.fields(Accelerator)
                    if f.default is dataclasses.MISSING and f.name not in merged)
@@ -155,9 +198,6 @@ def from_file(path: str) -> Accelerator:
     raise ConfigError(f"target file {path!r} lacks {', '.join(missing)} (or give "
                       f"base = one of {', '.join(ACCELERATORS)})")
   acc = Accelerator(**merged)
-  for f in ("peak_flops", "hbm_bytes", "hbm_bw", "ici_bw", "dcn_bw", "ici_domain"):
-    if not getattr(acc, f) > 0:
-      raise ConfigError(f"target file {path!r}: {f} must be > 0, got {getattr(acc, f)}")
   if acc.usable_bytes <= 0:
     raise ConfigError(f"target file {path!r}: reserve_bytes {acc.reserve_bytes} leaves "
                       f"nothing of hbm_bytes {acc.hbm_bytes}")

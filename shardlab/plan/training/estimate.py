@@ -20,6 +20,7 @@ from shardlab.plan.training import experts as plan_experts
 from shardlab.plan.training import memory as plan_memory
 from shardlab.plan.training import pipeline as plan_pipeline
 from shardlab.plan.training import state_bytes
+from shardlab.plan.training import step_time as plan_time
 from shardlab.plan.training.request import Request, train_config
 from shardlab.sharding import rules as rules_lib
 from shardlab.errors import ConfigError
@@ -43,19 +44,20 @@ class Estimate:
   collectives: dict  # kind -> bytes per device per step
   flops_per_device: float  # hardware FLOPs per step (remat recompute included)
   model_flops_per_device: float
-  compute_s: float  # hardware FLOPs at the target's achievable fraction of peak
-  memory_s: float  # HBM traffic time
-  comm_s: float
-  step_s: float  # predicted: the largest of compute, memory and comm (they overlap)
-  binding: str  # "compute" | "memory" | "communication"
+  compute_s: float  # matmuls, attention and memory-bound ops, bubble included (step_time)
+  memory_s: float  # all HBM traffic time (weights, activations, optimizer): a floor
+  comm_s: float  # every collective's time, hidden or not
+  step_s: float  # predicted: compute + the collectives' exposed part (step_time.py)
+  binding: str  # "compute" | "memory" | "communication" | "host transfers"
   mfu: float  # predicted: model FLOPs / (step_s × peak)
   mfu_ceiling: float  # the roofline's: every term at 100% of peak (no run reaches it)
-  efficiency: float  # the fraction of peak compute_s assumes (hardware.Accelerator)
+  efficiency: float  # the fraction of peak the matmuls run at (hardware.Accelerator)
   tokens_per_s: float
   host_transfer_bytes: float  # host↔device per device per step (offload), both ways
   host_s: float  # their time at the target's host link bandwidth
   accounting: dict  # category -> {"bytes_per_param", "divided_by"} (ZeRO's table)
   pipeline: object = None  # plan.pipeline.Pipeline when the rules split layers over stage
+  time: object = None  # step_time.StepTime: the step's parts
 
   @property
   def fits(self) -> bool:
@@ -137,6 +139,50 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
   be = plan_comm.BACKENDS[backend or acc.kind]
   grad_dtype = precision_lib.gradient_dtype(policy, train.grad_dtype)
   uses = plan_pipeline.passes(model, train, rules, mesh)  # a pipeline loops on its own
+  memory, shapes, state, offloaded_acts = _memory(model, train, rules, mesh, abstract, sh,
+                                                  policy, grad_dtype, p, be, uses)
+  weights, serial = _transfers(model, req, train, rules, mesh, policy, abstract, be, uses,
+                                shapes, p)
+  tokens_per_device = _tokens_per_device(req, rules, mesh)
+  flops = (plan_comm.hardware_flops_per_token(model, train.seq_len, train.remat) -
+           _frozen_weight_grad_flops(model, req.lora)) * tokens_per_device
+  model_flops = model.flops_per_token(train.seq_len) * tokens_per_device
+  memory_s = _hbm_traffic(memory, shapes, model, train, p) / acc.hbm_bw
+  memory, serial, _, pipe = plan_pipeline.fold(
+      model, train, rules, mesh, p, abstract, sh, be.name, memory, serial, 0.0)
+  transfers = weights + serial
+  seconds = lambda ts: sum(plan_comm.transfer_time(t, spec, acc) for t in ts)
+  comm_s = seconds(transfers)
+  bubble = pipe.bubble if pipe else 0.0  # a pipeline's layer runs count its idle ones
+  time = plan_time.step_time(model, train, acc, tokens_per_device, flops, shapes, p,
+                             uses.layer_runs * (1 - bubble), seconds(serial),
+                             seconds(weights), bubble)
+  host_bytes = 2 * (state["host"] + offloaded_acts * train.microbatches)  # both ways
+  terms = {"compute": time.step_s, "memory": memory_s,
+           "host transfers": host_bytes / acc.host_bw}
+  step_s = max(terms.values())
+  binding = max(terms, key=terms.get)
+  if binding == "compute" and time.exposed_comm_s > time.compute_s:
+    binding = "communication"
+  ceiling_s = max(flops / acc.peak_flops, memory_s, comm_s)
+  return Estimate(
+      strategy=strategy, mesh=spec.describe(), mesh_shape=dict(mesh.shape),
+      n_devices=spec.n_devices, memory=memory, usable_bytes=acc.usable_bytes,
+      collectives=plan_comm.totals(transfers), flops_per_device=flops,
+      model_flops_per_device=model_flops, compute_s=time.compute_s, memory_s=memory_s,
+      comm_s=comm_s, step_s=step_s, binding=binding,
+      mfu=model_flops / (step_s * acc.peak_flops),
+      mfu_ceiling=model_flops / (ceiling_s * acc.peak_flops),
+      efficiency=plan_time.matmul_efficiency(acc),
+      tokens_per_s=train.global_batch * train.seq_len / step_s,
+      host_transfer_bytes=host_bytes, host_s=terms["host transfers"],
+      accounting=state_bytes.state_accounting(abstract, sh, state, policy, uses.looped,
+                                              grad_dtype), pipeline=pipe, time=time)
+
+
+def _memory(model, train, rules, mesh, abstract, sh, policy, grad_dtype, p: int, be, uses):
+  """(Memory per device, the activation shapes, the model state's bytes, the activations
+  remat offload keeps in host memory)."""
   state = state_bytes.model_state(abstract, sh, policy, uses.looped, grad_dtype,
                                   train.offload)
   gathered, head_gathered = _gathered_bytes(abstract, rules, mesh, p)
@@ -145,47 +191,21 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
   offloaded_acts = plan_memory.offloaded_activation_bytes(model, shapes, p, train.remat)
   memory = plan_memory.Memory(activations=acts, gathered=gathered, batch=batch_bytes,
                               **dict(state, host=state["host"] + offloaded_acts))
-  transfers = _transfers(model, req, train, rules, mesh, policy, abstract, be, uses, shapes,
-                         p)
-  tokens_per_device = _tokens_per_device(req, rules, mesh)
-  flops = (plan_comm.hardware_flops_per_token(model, train.seq_len, train.remat) -
-           _frozen_weight_grad_flops(model, req.lora)) * tokens_per_device
-  model_flops = model.flops_per_token(train.seq_len) * tokens_per_device
-  compute_s = flops / (acc.peak_flops * acc.efficiency)  # no step runs at peak
-  memory_s = _hbm_traffic(memory, shapes, model, train, p) / acc.hbm_bw
-  memory, transfers, compute_s, pipe = plan_pipeline.fold(
-      model, train, rules, mesh, p, abstract, sh, be.name, memory, transfers, compute_s)
-  comm_s = sum(plan_comm.transfer_time(t, spec, acc) for t in transfers)
-  host_bytes = 2 * (state["host"] + offloaded_acts * train.microbatches)  # both ways
-  terms = {"compute": compute_s, "memory": memory_s, "communication": comm_s,
-           "host transfers": host_bytes / acc.host_bw}
-  binding = max(terms, key=terms.get)
-  step_s = terms[binding]
-  ceiling_s = max(flops / acc.peak_flops, memory_s, comm_s)
-  return Estimate(
-      strategy=strategy, mesh=spec.describe(), mesh_shape=dict(mesh.shape),
-      n_devices=spec.n_devices, memory=memory, usable_bytes=acc.usable_bytes,
-      collectives=plan_comm.totals(transfers), flops_per_device=flops,
-      model_flops_per_device=model_flops, compute_s=compute_s, memory_s=memory_s,
-      comm_s=comm_s, step_s=step_s, binding=binding,
-      mfu=model_flops / (step_s * acc.peak_flops),
-      mfu_ceiling=model_flops / (ceiling_s * acc.peak_flops), efficiency=acc.efficiency,
-      tokens_per_s=train.global_batch * train.seq_len / step_s,
-      host_transfer_bytes=host_bytes, host_s=terms["host transfers"],
-      accounting=state_bytes.state_accounting(abstract, sh, state, policy, uses.looped,
-                                              grad_dtype), pipeline=pipe)
+  return memory, shapes, state, offloaded_acts
 
 
 def _transfers(model, req: Request, train, rules, mesh, policy, abstract, be, uses, shapes,
-               p: int) -> list:
-  """Every collective of the step: the weights', the activations' and the experts'."""
+               p: int) -> tuple[list, list]:
+  """Every collective of the step: the weights' (gathers and gradient reductions, which can
+  run beside other layers' compute) and the activations' and experts' (which cannot)."""
   wire = p if be.compute_dtype_collectives else 4  # XLA:CPU moves bf16 as fp32
-  return (plan_comm.param_transfers(abstract, rules, mesh, policy, uses.looped,
-                                    model.tie_embeddings, be, uses.layer_uses) +
-          plan_comm.activation_transfers(model, shapes, rules, mesh, wire, train.remat,
-                                         train.microbatches, uses.layer_runs) +
-          plan_experts.transfers(model, rules, mesh, train.global_batch, train.seq_len, wire,
-                                 train.remat))
+  weights = plan_comm.param_transfers(abstract, rules, mesh, policy, uses.looped,
+                                      model.tie_embeddings, be, uses.layer_uses)
+  serial = (plan_comm.activation_transfers(model, shapes, rules, mesh, wire, train.remat,
+                                           train.microbatches, uses.layer_runs) +
+            plan_experts.transfers(model, rules, mesh, train.global_batch, train.seq_len,
+                                   wire, train.remat))
+  return weights, serial
 
 
 def _tokens_per_device(req: Request, rules: rules_lib.Rules, mesh) -> float:
