@@ -14,18 +14,8 @@ from shardlab.plan.compiled import aot
 from shardlab.plan.compiled import train_step as plan_compile
 from shardlab.plan.training import planner as plan
 from shardlab.runtime import hardware
+from test_plan_tpu import MODEL  # TPU-friendly dims: tiled layouts add no padding
 
-# TPU-friendly dims (head_dim 128, lane-aligned widths), as tests/test_plan_tpu.py.
-MODEL = """
-vocab_size = 1024
-d_model = 512
-n_layers = 2
-n_heads = 4
-n_kv_heads = 2
-head_dim = 128
-mlp_dim = 1024
-max_seq_len = 512
-"""
 DEVICES = 4
 
 
