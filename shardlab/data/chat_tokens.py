@@ -101,18 +101,11 @@ def prepare(source: str, out: str | Path, tokenizer_spec: str,
     for name in (path.name, chat.CONFIG_FILE, chat.TEMPLATE_FILE):  # eos, template go along
       if (path.parent / name).is_file():
         shutil.copy2(path.parent / name, out / name)
-    index = {"format": 1, "source": str(source), "tokenizer": path.name,
-             "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
-             "dtype": tokenizer_lib.token_dtype(tok.vocab_size).name,
-             "splits": {s: w.files for s, w in writers.items()},
-             "chat": {"messages_field": field,
-                      "assistant_spans": "markers" if template.markers else "prefix",
-                      "assistant_tokens": {s: w.assistant_tokens for s, w in writers.items()}}}
-    if not index["splits"]["held_out"] or not index["splits"]["train"]:
-      raise ConfigError(f"{source} gave too few conversations for a train and a held-out "
-                        f"split (--held-out-fraction {held_out_fraction}); give more or a "
-                        f"larger fraction")
-    outdir.finish(out, index)
+    index = tokens.write_index(out, source, path.name, tok, writers, "conversations",
+                               held_out_fraction, chat={
+        "messages_field": field,
+        "assistant_spans": "markers" if template.markers else "prefix",
+        "assistant_tokens": {s: w.assistant_tokens for s, w in writers.items()}})
   except ConfigError:
     shutil.rmtree(out, ignore_errors=True)  # nothing usable: a rerun may use the name
     raise

@@ -216,18 +216,27 @@ def prepare(source: str, out: str | Path, tokenizer_spec: str, text_field: str =
     path = tokenizer_lib.find(tokenizer_spec)
     if path is not None:
       shutil.copy2(path, out / path.name)
-    index = {"format": 1, "source": str(source), "tokenizer": path.name if path else "bytes",
-             "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
-             "dtype": tokenizer_lib.token_dtype(tok.vocab_size).name,
-             "splits": {s: w.files for s, w in writers.items()}}
-    if not index["splits"]["held_out"] or not index["splits"]["train"]:
-      raise ConfigError(f"{source} gave too few documents for a train and a held-out split "
-                        f"(data.held_out_fraction {held_out_fraction}); give more text or a "
-                        f"larger fraction")
-    outdir.finish(out, index)
+    index = write_index(out, source, path.name if path else "bytes", tok, writers,
+                        "documents", held_out_fraction)
   except ConfigError:
     shutil.rmtree(out, ignore_errors=True)  # nothing usable: a rerun may use the name
     raise
+  return index
+
+
+def write_index(out: Path, source, tokenizer_name: str, tok, writers: dict, what: str,
+                held_out_fraction: float, **extra) -> dict:
+  """The finished directory's index.json (outdir.finish: written last), once both splits
+  hold something; `extra` sections (chat's) beside the common fields."""
+  index = {"format": 1, "source": str(source), "tokenizer": tokenizer_name,
+           "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+           "dtype": tokenizer_lib.token_dtype(tok.vocab_size).name,
+           "splits": {s: w.files for s, w in writers.items()}, **extra}
+  if not index["splits"]["held_out"] or not index["splits"]["train"]:
+    raise ConfigError(f"{source} gave too few {what} for a train and a held-out split "
+                      f"(held-out fraction {held_out_fraction}); give more or a larger "
+                      f"fraction")
+  outdir.finish(out, index)
   return index
 
 
