@@ -2,6 +2,7 @@
 jax 0.10.2 (pinned in pyproject.toml). Upgrading JAX means checking this file only.
 """
 
+import contextlib
 import importlib
 
 
@@ -25,6 +26,22 @@ def reset_compilation_cache() -> None:
   """Forgets the persistent compilation cache's settings, so a change to
   jax_enable_compilation_cache takes effect in this process."""
   _private("compilation_cache").reset_cache()
+
+
+@contextlib.contextmanager
+def fresh_compiles():
+  """Compiles inside skip the persistent compilation cache (neither read nor written), so XLA
+  runs and logs what it logs while compiling; the cache's key also leaves out source
+  locations, so a hit can carry another file's line numbers in its HLO metadata."""
+  import jax
+  was = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  reset_compilation_cache()
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", was)
+    reset_compilation_cache()
 
 
 def source_line(eqn) -> str:

@@ -4,6 +4,7 @@ its involuntary rematerialisations become rows."""
 
 import dataclasses
 
+from shardlab.runtime import jax_compat
 from shardlab.observe.xla_log import RematWarning, captured, warnings
 
 
@@ -29,7 +30,8 @@ def compiled_text(program, args) -> Compiled:
   else:
     return Compiled(program.as_text(), "", [], arguments(program), memory(program))
   err: list[str] = []
-  with captured(err):
+  # A persistent-cache hit would log no warnings, and its metadata may name another file.
+  with jax_compat.fresh_compiles(), captured(err):
     compiled = lowered.compile()
   return Compiled(compiled.as_text(), lowered.as_text(debug_info=True), warnings(err[0]),
                   arguments(compiled), memory(compiled))
