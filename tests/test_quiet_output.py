@@ -111,3 +111,29 @@ def test_a_finished_process_whose_peer_dies_exits_within_5_s(tmp_path):
   assert code == 4 and waited < 5, text
   assert ("error: process 1 of 2 died (its process " in text and
           "process 0 had finished its part (exit 4)" in text), text
+
+
+def test_a_library_task_failure_reported_at_collection_goes_to_the_log(tmp_path, capfd):
+  """Orbax writes through asyncio tasks; one that failed and was never awaited is reported
+  by asyncio's logger, with its traceback, when it is collected (CI saw them after a full
+  disk). Made here directly: such a task, dropped inside the capture."""
+  import asyncio
+  import gc
+  from shardlab.observe import log_capture
+
+  async def fails():
+    raise ValueError("RESOURCE_EXHAUSTED: no space left on device")
+
+  logs = log_capture.LibraryLogs(str(tmp_path))
+  with logs:
+    loop = asyncio.new_event_loop()
+    cycle = {"task": loop.create_task(fails())}
+    cycle["self"] = cycle  # freed by the garbage collector only, as Orbax's tasks were
+    loop.run_until_complete(asyncio.sleep(0))
+    loop.close()
+    del cycle  # never awaited: reported when collected (the capture's exit collects)
+  gc.collect()
+  out, err = capfd.readouterr()
+  assert "Traceback" not in out + err and "never retrieved" not in out + err, out + err
+  assert "never retrieved" in (tmp_path / "run.log").read_text()
+  assert "asyncio" in logs.summary()

@@ -9,6 +9,7 @@ line what they said and where to read it. The run's own messages never go throug
 `logging`, so they stay on the console.
 """
 
+import gc
 import logging
 import os
 import secrets
@@ -18,8 +19,9 @@ import threading
 from pathlib import Path
 
 # The loggers libraries log through: absl (Orbax and other Google libraries), JAX, and the
-# ones Orbax's dependencies use directly.
-LOGGERS = ("absl", "orbax", "jax", "etils", "tensorstore")
+# ones Orbax's dependencies use directly; asyncio's, where Orbax's failed write tasks are
+# reported ("Task exception was never retrieved", with a traceback) when they are collected.
+LOGGERS = ("absl", "orbax", "jax", "etils", "tensorstore", "asyncio")
 _FORMAT = "%(asctime)s %(levelname)s %(name)s %(pathname)s:%(lineno)d] %(message)s"
 
 
@@ -118,6 +120,9 @@ class LibraryLogs:
     return self
 
   def __exit__(self, *exc) -> bool:
+    # Failed asyncio tasks nobody awaited are reported when collected: collect them now,
+    # while their reports still go to the file, not at some later point on the console.
+    gc.collect()
     if isinstance(sys.stderr, _ForeignThreadsToLog):
       sys.stderr = self._stderr
     for name, propagate in self._saved.items():
