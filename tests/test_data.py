@@ -15,7 +15,7 @@ from flax import nnx
 from shardlab import cli, config
 from shardlab.errors import ConfigError
 from shardlab.models import lm, registry
-from shardlab.data import feed, packing, tokenizer, tokens
+from shardlab.data import feed, packing, sources, tokenizer, tokens
 from shardlab.training import loop as train
 
 import helpers as H
@@ -27,7 +27,7 @@ TOKENS_OF_VOCAB = 512
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
   """A byte-level BPE tokenizer.json trained on 1 MB of the standard library (~1 s)."""
-  files = tokens.documents("stdlib", max_bytes=2**20, stdlib_files=_stdlib())
+  files = sources.documents("stdlib", max_bytes=2**20, stdlib_files=_stdlib())
   return tokenizer.train_bpe(files, TOKENS_OF_VOCAB, tmp_path_factory.mktemp("bpe") / "tokenizer.json")
 
 
@@ -131,7 +131,7 @@ def test_prepare_writes_shards_and_an_index(prepared):
   assert (np.asarray(shard.tokens)[ends] == eos).all()  # every document ends with EOS
   tok = tokenizer.load(str(out / "tokenizer.json"))
   first = np.asarray(shard.tokens[:shard.doc_starts[1] - 1])
-  assert tok.decode(first.tolist()) == next(tokens.documents("stdlib", stdlib_files=_stdlib()))
+  assert tok.decode(first.tolist()) == next(sources.documents("stdlib", stdlib_files=_stdlib()))
 
 
 def test_loader_order_epochs_and_process_rows(prepared):

@@ -9,7 +9,7 @@ import pytest
 
 from shardlab import config
 from shardlab.cli.data import data_main
-from shardlab.data import corpus, feed, tokens
+from shardlab.data import corpus, feed, sources, tokens
 from shardlab.errors import ConfigError
 
 pa = pytest.importorskip("pyarrow")
@@ -91,7 +91,7 @@ def test_datasets_save_to_disk_prepares_as_jsonl(reference, tmp_path):
   # A DatasetDict is refused naming its splits.
   datasets.DatasetDict({"train": shuffled, "test": shuffled}).save_to_disk(str(tmp_path / "dd"))
   with pytest.raises(ConfigError, match=r"DatasetDict with splits \['train', 'test'\].*dd/train"):
-    tokens.documents(str(tmp_path / "dd"))
+    sources.documents(str(tmp_path / "dd"))
   # train.py reads such a directory as records too (never its .arrow bytes as text).
   assert feed.is_packed(config.DataConfig(corpus=str(tmp_path / "ds")))
 
@@ -100,15 +100,15 @@ def test_max_bytes_reads_the_same_documents_as_jsonl(reference, tmp_path):
   root, _ = reference
   pq.write_table(table(), tmp_path / "c.parquet", row_group_size=300)
   for limit in (1, 5000, 123_457):
-    got = list(tokens.documents(str(tmp_path / "c.parquet"), "body", limit))
-    assert got == list(tokens.documents(str(root / "corpus.jsonl"), "body", limit))
+    got = list(sources.documents(str(tmp_path / "c.parquet"), "body", limit))
+    assert got == list(sources.documents(str(root / "corpus.jsonl"), "body", limit))
     assert 0 < len(got) < 2500
 
 
 def test_bad_columns_are_refused_naming_file_column_and_columns(tmp_path, capsys):
   data = pa.table({"id": [1, 2], "body": ["a", None], "title": ["x", "y"]})
   pq.write_table(data, tmp_path / "c.parquet")
-  read = lambda field, name="c.parquet": list(tokens.documents(str(tmp_path / name), field))
+  read = lambda field, name="c.parquet": list(sources.documents(str(tmp_path / name), field))
   with pytest.raises(ConfigError, match=r"c.parquet has no column 'text' .*columns: "
                                         r"\['id', 'body', 'title'\]"):
     read("text")

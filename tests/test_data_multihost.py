@@ -12,7 +12,7 @@ import pytest
 from shardlab import config
 from shardlab.models import registry
 from shardlab.testing import processes
-from shardlab.data import corpus as data, tokenizer, tokens
+from shardlab.data import corpus as data, sources, tokenizer, tokens
 from shardlab.training import run as run_lib
 
 pytestmark = pytest.mark.slow
@@ -61,7 +61,7 @@ def rows_of_this_process() -> dict:
 def prepared(tmp_path_factory) -> str:
   """A small BPE tokenizer and stdlib text prepared with it (a few seconds)."""
   files = data._files(config.DataConfig())[0]
-  tok = tokenizer.train_bpe(tokens.documents("stdlib", max_bytes=300_000, stdlib_files=files),
+  tok = tokenizer.train_bpe(sources.documents("stdlib", max_bytes=300_000, stdlib_files=files),
                             512, tmp_path_factory.mktemp("bpe") / "tokenizer.json")
   out = tmp_path_factory.mktemp("prepared") / "stdlib"
   tokens.prepare("stdlib", out, str(tok), held_out_fraction=0.1, workers=1,

@@ -12,7 +12,7 @@ import pytest
 
 from shardlab import cli, config, generate
 from shardlab.cli import text
-from shardlab.data import corpus as data, tokenizer, tokens
+from shardlab.data import corpus as data, sources, tokenizer
 
 pytestmark = pytest.mark.slow
 SMALL = ["--mesh", "fsdp:4,tensor:2", "--set", "train.seq_len=32", "--set",
@@ -20,7 +20,7 @@ SMALL = ["--mesh", "fsdp:4,tensor:2", "--set", "train.seq_len=32", "--set",
 
 
 def stdlib_texts(max_bytes: int):
-  return tokens.documents("stdlib", max_bytes=max_bytes,
+  return sources.documents("stdlib", max_bytes=max_bytes,
                           stdlib_files=data._files(config.DataConfig())[0])
 
 

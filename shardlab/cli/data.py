@@ -69,14 +69,14 @@ def _stdlib_files(source: str):
 
 
 def _run(args) -> None:
-  from shardlab.data import tokenizer, tokens
+  from shardlab.data import sources, tokenizer, tokens
 
   say = lambda text: print(text, file=sys.stderr, flush=True)
   files = _stdlib_files(args.source)
   if args.command == "train-bpe":
     if args.vocab_size < 257:
       raise ConfigError(f"--vocab-size must be > 256 (the byte alphabet), got {args.vocab_size}")
-    docs = tokens.documents(args.source, max_bytes=args.max_bytes, stdlib_files=files)
+    docs = sources.documents(args.source, max_bytes=args.max_bytes, stdlib_files=files)
     out = tokenizer.train_bpe(docs, args.vocab_size, args.out)
     print(f"wrote a byte-level BPE tokenizer (vocab {args.vocab_size}) to {out}")
     return

@@ -25,7 +25,8 @@ import numpy as np
 
 from shardlab.config import DataConfig
 from shardlab.errors import ConfigError
-from shardlab.data import chat, chat_tokens, corpus as corpus_lib, packing, prepared_check, tokens
+from shardlab.data import chat, chat_tokens, corpus as corpus_lib, packing, prepared_check
+from shardlab.data import sources, tokens
 from shardlab.data import tokenizer as tokenizer_lib
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out batches never share a seed with training batches
@@ -35,7 +36,7 @@ def is_packed(cfg: DataConfig) -> bool:
   """Whether this data config reads tokenized, packed documents (else bytes)."""
   corpus = cfg.corpus
   return (cfg.tokenizer != tokenizer_lib.BYTES or tokens.is_prepared(corpus)
-          or corpus.endswith(tokens.TOKEN_FILES) or tokens.is_records(corpus))
+          or corpus.endswith(tokens.TOKEN_FILES) or sources.is_records(corpus))
 
 
 def place(local, sharding, global_rows: int):
@@ -183,7 +184,7 @@ def _splits(cfg: DataConfig, say):
     writers = chat_tokens.tokenize(cfg.corpus, cfg.tokenizer, cfg.held_out_fraction, say=say)
     return {s: w.shards for s, w in writers.items()}, tok, f"{cfg.corpus} (chat)"
   files, source = (corpus_lib._files(cfg) if cfg.corpus == "stdlib" else (None, cfg.corpus))
-  docs = tokens.documents(cfg.corpus, cfg.text_field, cfg.max_bytes, files)
+  docs = sources.documents(cfg.corpus, cfg.text_field, cfg.max_bytes, files)
   writers = tokens.tokenize(docs, cfg.tokenizer, cfg.held_out_fraction, workers=0,
                             say=say)
   return {s: w.shards for s, w in writers.items()}, tok, source

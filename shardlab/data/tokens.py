@@ -1,5 +1,4 @@
-"""Tokenized documents: read text (files, directories, JSONL; Parquet, Arrow and `datasets`
-directories in records.py), tokenize once in parallel (workers.py), write shards plus an
+"""Tokenized documents: read text (sources.py), tokenize once in parallel (workers.py), write shards plus an
 index (`shardlab data prepare`), and read them back memory-mapped.
 
 A prepared directory holds index.json (written last: outdir.py), a copy of the tokenizer,
@@ -15,7 +14,6 @@ import json
 import os
 import shlex
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -23,7 +21,7 @@ from typing import Iterator
 import numpy as np
 
 from shardlab.errors import ConfigError
-from shardlab.data import outdir, prepared_check, records, workers as workers_lib
+from shardlab.data import outdir, prepared_check, sources, workers as workers_lib
 from shardlab.data import tokenizer as tokenizer_lib
 
 INDEX = outdir.INDEX
@@ -36,78 +34,6 @@ class Shard:
   tokens: np.ndarray  # 1-D ids (memory-mapped when read from disk)
   doc_starts: np.ndarray  # int64 offsets into `tokens`, ascending, the first 0
   loss_mask: np.ndarray | None = None  # chat data: 1 where a token is trained on (data/chat.py)
-
-
-def documents(source: str, text_field: str = "text", max_bytes: int | None = None,
-              stdlib_files=None) -> Iterator[str]:
-  """The documents of a text source: each file of a file or directory (or of `stdlib_files`
-  for "stdlib"), each line's `text_field` of a .jsonl file, or each row's `text_field`
-  column of a Parquet or Arrow file or a `datasets` save_to_disk directory; at most
-  `max_bytes` of text. The source is checked now, its files read as they are iterated."""
-  files = stdlib_files if source == "stdlib" else _text_files(source)
-  return _read(files, text_field, max_bytes)
-
-
-def _read(files: list[Path], text_field: str, max_bytes: int | None) -> Iterator[str]:
-  budget = max_bytes or sys.maxsize
-  for path in files:
-    if budget <= 0:
-      return
-    if path.suffix == ".jsonl" or records.is_record_file(path):
-      rows = (records.texts(path, text_field) if records.is_record_file(path)
-              else _jsonl(path, text_field))
-      for text in rows:
-        if budget <= 0:
-          break
-        budget -= len(text)
-        yield text
-      continue
-    with open(path, "rb") as stream:
-      data = stream.read(budget if max_bytes else -1)
-    budget -= len(data)
-    yield data.decode("utf-8", errors="replace")
-
-
-def _jsonl(path: Path, text_field: str) -> Iterator[str]:
-  with path.open(encoding="utf-8", errors="replace") as stream:
-    for n, line in enumerate(stream):
-      if line.strip():
-        yield _field(line, text_field, path, n + 1)
-
-
-def is_records(source: str) -> bool:
-  """Whether `source` is read as records of a text field (not as whole text files)."""
-  path = Path(source)
-  return (source.endswith(".jsonl") or records.is_record_file(path)
-          or (path.is_dir() and records.is_dataset_dir(path)))
-
-
-def _text_files(source: str) -> list[Path]:
-  path = Path(source)
-  if path.is_dir():
-    if records.is_dataset_dir(path):
-      return records.dataset_files(path)
-    files = sorted(p for p in path.rglob("*") if p.is_file())
-    outdir.refuse_unfinished(files)
-    return files
-  if path.is_file():
-    return [path]
-  raise ConfigError(f"data.corpus {source!r} does not exist; give a text file, a directory "
-                    f"of text files, a .jsonl, .parquet or .arrow file, a datasets "
-                    f"save_to_disk directory, a prepared directory, a .bin/.npy token "
-                    f"file, or 'stdlib'")
-
-
-def _field(line: str, field: str, path: Path, n: int) -> str:
-  try:
-    record = json.loads(line)
-  except json.JSONDecodeError as e:
-    raise ConfigError(f"{path}:{n} is not JSON ({e})") from None
-  if not isinstance(record, dict) or not isinstance(record.get(field), str):
-    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-    raise ConfigError(f"{path}:{n} has no text field {field!r} (data.text_field); its keys: "
-                      f"{keys}")
-  return record[field]
 
 
 _WORKER_TOKENIZER = None
@@ -208,7 +134,7 @@ def prepare(source: str, out: str | Path, tokenizer_spec: str, text_field: str =
     if value < low:  # 0 workers: one per core; no --max-bytes: all the text
       raise ConfigError(f"{name} must be >= {low}, got {value}")
   tok = tokenizer_lib.load(tokenizer_spec)  # settings checked before `out` is touched
-  docs = documents(source, text_field, max_bytes, stdlib_files)
+  docs = sources.documents(source, text_field, max_bytes, stdlib_files)
   outdir.claim(out, overwrite, _command(source, out, tokenizer_spec, text_field,
                                         held_out_fraction, workers, shard_tokens, max_bytes))
   try:
