@@ -14,6 +14,7 @@ process's own count: a resume on another process count or mesh, with the same gl
 reads the same batches, each process its block of them (tests/test_restart_resize.py).
 """
 
+import functools
 import queue
 import sys
 import threading
@@ -68,8 +69,12 @@ class ByteFeed:
   def state(self, position: int) -> dict:
     return {"kind": self.kind, "step": position}
 
-  def unigram_loss(self) -> float:
+  @functools.cached_property
+  def _unigram(self) -> float:  # said at the start and again in the summary: computed once
     return self.corpus.unigram_loss()
+
+  def unigram_loss(self) -> float:
+    return self._unigram
 
   def describe(self) -> str:
     return (f"{self.corpus.source}: {len(self.corpus.train):,} train / "
@@ -142,6 +147,10 @@ class PackedFeed:
   def unigram_loss(self) -> float:
     """Held-out cross-entropy (nats/token) under the train tokens' unigram distribution
     (for chat data, of the assistant tokens: those the loss reads)."""
+    return self._unigram
+
+  @functools.cached_property
+  def _unigram(self) -> float:  # a pass over the train split: once a run
     vocab = self.tokenizer.vocab_size
     counts = np.ones(vocab, np.float64)
     for shard in self.train.shards:
