@@ -13,8 +13,9 @@ aborts them; when it waits for them, they stop with this module's message.
 
 A finished process keeps watching until every other one has finished too, so that a peer
 that died is named by this module rather than after JAX's shutdown barrier times out (its
-own heartbeat, 3 × timeout_s, then SIGABRT). There a peer on this host is also watched by
-its process id: its death is seen within a tick, not after timeout_s.
+own heartbeat, 3 × timeout_s, then SIGABRT). There a peer is also watched by the kernel's
+word (liveness.py): on this host its process id, on any host its connection to process 0;
+its death is seen within a tick or two, not after timeout_s.
 """
 
 import os
@@ -22,6 +23,8 @@ import socket
 import sys
 import threading
 import time
+
+from shardlab.runtime import liveness
 
 PREFIX = "shardlab/watchdog/"
 EXIT_CODE = 4  # a peer or the coordinator failed; see docs/guarantees.md
@@ -40,6 +43,7 @@ class Watchdog:
     self._last_seen: dict[int, tuple[str | None, float]] = {}
     self._finishing = False  # this process is done and waits for the others
     self._host = socket.gethostname()
+    self._link = None  # the connection to process 0's liveness listener (False: none)
     self._thread = threading.Thread(target=self._run, name="shardlab-watchdog", daemon=True)
 
   def start(self) -> "Watchdog":
@@ -49,6 +53,9 @@ class Watchdog:
   def _run(self) -> None:
     beat = 0
     self._publish("pid", f"{self._host} {os.getpid()}")
+    if self.rank == 0:
+      self._link = False  # process 0 listens
+      self._listen()
     while not self._stopped.is_set():
       beat += 1
       try:
@@ -60,6 +67,8 @@ class Watchdog:
         self._stop_process(f"lost the coordinator (process 0 at {self.coordinator}): "
                            f"{str(e).splitlines()[0][:200]}")
         return
+      if self._link is None and f"{PREFIX}link/0" in status:
+        self._link = liveness.connect(status[f"{PREFIX}link/0"], self.rank) or False
       problem = self._problem(status, time.monotonic())
       if problem and not self._stopped.is_set():
         self._stop_process(problem)
@@ -75,12 +84,11 @@ class Watchdog:
     for rank in self.others:
       if f"{PREFIX}done/{rank}" in status:
         continue
-      # Finished, this process waits only for peers: one on this host that is gone is dead.
+      # Finished, this process waits only for peers: one the kernel says ended is dead.
       # (While training, the heartbeat alone judges: its message is the documented one.)
-      if self._finishing and self._gone(status, rank):
-        return (f"process {rank} of {self.count} died (its process "
-                f"{_local_pid(status.get(f'{PREFIX}pid/{rank}'), self._host)} on this host "
-                f"ended without finishing: it crashed or was killed)")
+      death = self._finishing and self._death(status, rank)
+      if death:
+        return f"process {rank} of {self.count} died ({death}: it crashed or was killed)"
       value = status.get(f"{PREFIX}alive/{rank}")
       seen, since = self._last_seen.get(rank, (None, now))
       if value != seen or rank not in self._last_seen:
@@ -90,10 +98,28 @@ class Watchdog:
                 f"(--heartbeat-timeout {self.timeout_s:g}): it died, was killed, or hangs")
     return None
 
-  def _gone(self, status: dict, rank: int) -> bool:
-    """Whether peer `rank` runs on this host and its process has ended."""
+  def _death(self, status: dict, rank: int) -> str | None:
+    """How peer `rank` is known to have ended without finishing, or None: its process on
+    this host is gone, or its connection to process 0 closed (liveness.py)."""
     pid = _local_pid(status.get(f"{PREFIX}pid/{rank}"), self._host)
-    return pid is not None and not _alive(pid)
+    if pid is not None and not _alive(pid):
+      return f"its process {pid} on this host ended without finishing"
+    if f"{PREFIX}closed/{rank}" in status:
+      return "its connection to process 0 closed without it finishing"
+    return None
+
+  def _listen(self) -> None:
+    """Process 0: the liveness listener, its address (the coordinator's host) published."""
+    def closed(rank: int) -> None:
+      try:
+        self.client.key_value_set(f"{PREFIX}closed/{rank}", "1", allow_overwrite=True)
+      except Exception:
+        pass  # the coordinator is going: the others learn it from JAX's runtime
+    try:
+      listener = liveness.Listener(closed)
+    except OSError:
+      return  # the heartbeat alone, then
+    self._publish("link", f"{self.coordinator.rpartition(':')[0]}:{listener.port}")
 
   def _stop_process(self, problem: str) -> None:
     if self._failing:
@@ -129,7 +155,7 @@ class Watchdog:
       except Exception:
         return
       beats = {r: status.get(f"{PREFIX}alive/{r}") for r in self.others
-               if f"{PREFIX}done/{r}" not in status and not self._gone(status, r)}
+               if f"{PREFIX}done/{r}" not in status and not self._death(status, r)}
       if not beats or beats == previous:
         return
       previous = beats
