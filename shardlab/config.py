@@ -10,7 +10,24 @@ import types
 import typing
 from typing import Any
 
+from shardlab.bounds import Float, Int, check_fields
 from shardlab.errors import ConfigError, finite, unknown
+
+# Each number's range, by dotted key: the sections' checks and the command-line options that
+# set one (train.py --steps, plan --global-batch, data prepare --held-out-fraction) read it.
+BOUNDS = {
+    **{f"train.{f}": Int(min=1) for f in (
+        "steps", "global_batch", "seq_len", "microbatches", "log_every", "eval_batches",
+        "max_skipped", "pipeline_repeats", "scan_unroll")},
+    **{f"train.{f}": Float(gt=0) for f in ("lr", "clip_norm", "eps")},
+    "train.weight_decay": Float(min=0), "train.warmup_steps": Int(min=0),
+    "train.eval_every": Int(min=0), "train.loss_chunk": Int(min=0, note="0: off"),
+    "train.b1": Float(min=0, lt=1), "train.b2": Float(min=0, lt=1),
+    "train.min_lr_ratio": Float(min=0, max=1), "train.seed": Int(min=0, lt=2**63),
+    "data.held_out_fraction": Float(gt=0, lt=0.5), "data.max_bytes": Int(min=1),
+    "data.prefetch": Int(min=0), "checkpoint.every": Int(min=1), "checkpoint.keep": Int(min=1),
+    "lora.rank": Int(min=0, note="0: off"), "lora.alpha": Float(gt=0)}
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -47,21 +64,8 @@ class TrainConfig:
   max_skipped: int = 10
 
   def __post_init__(self):
-    positive = (lambda v: v > 0, "> 0")
-    non_negative = (lambda v: v >= 0, ">= 0")
-    fraction = (lambda v: 0 <= v < 1, "in [0, 1)")
-    counts = ("steps", "global_batch", "seq_len", "microbatches", "log_every", "eval_batches",
-              "max_skipped", "pipeline_repeats", "scan_unroll")
-    bounds = {**dict.fromkeys(counts, (lambda v: v >= 1, ">= 1")),
-              **dict.fromkeys(("lr", "clip_norm", "eps"), positive),
-              **dict.fromkeys(("weight_decay", "warmup_steps", "eval_every"), non_negative),
-              "b1": fraction, "b2": fraction,
-              "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-              "seed": (lambda v: 0 <= v < 2**63, "in [0, 2**63)")}
-    for f, (ok, valid) in bounds.items():
-      if not ok(getattr(self, f)):
-        raise ConfigError(f"train.{f} must be {valid}, got {getattr(self, f)}")
-    if self.loss_chunk < 0 or (self.loss_chunk and self.seq_len % self.loss_chunk):
+    check_fields(self, BOUNDS, "train")
+    if self.loss_chunk and self.seq_len % self.loss_chunk:
       raise ConfigError(f"train.loss_chunk ({self.loss_chunk}) must be 0 (off) or divide "
                         f"train.seq_len ({self.seq_len})")
     if self.global_batch % self.microbatches:
@@ -92,11 +96,7 @@ class DataConfig:
     for f in ("corpus", "tokenizer", "text_field"):
       if not getattr(self, f).strip():
         raise ConfigError(f"data.{f} is empty ({getattr(self, f)!r}); see docs/data.md")
-    if not 0 < self.held_out_fraction < 0.5:
-      raise ConfigError(f"data.held_out_fraction must be in (0, 0.5), got {self.held_out_fraction}")
-    for f, low in (("max_bytes", 1), ("prefetch", 0)):
-      if getattr(self, f) < low:
-        raise ConfigError(f"data.{f} must be >= {low}, got {getattr(self, f)}")
+    check_fields(self, BOUNDS, "data")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +109,7 @@ class CheckpointConfig:
   strict: bool = False  # a damaged newest step stops the run instead of falling back
 
   def __post_init__(self):
-    for f in ("every", "keep"):
-      if getattr(self, f) < 1:
-        raise ConfigError(f"checkpoint.{f} must be >= 1, got {getattr(self, f)}")
+    check_fields(self, BOUNDS, "checkpoint")
     for f in ("dir", "init_from"):  # "" would silently mean "none"
       if getattr(self, f) is not None and not getattr(self, f).strip():
         raise ConfigError(f"checkpoint.{f} is empty ({getattr(self, f)!r}); give a "
@@ -127,10 +125,7 @@ class LoraConfig:
   targets: str = "q,k,v,o,gate,up,down"  # the model's projection names, comma-separated
 
   def __post_init__(self):
-    if self.rank < 0:
-      raise ConfigError(f"lora.rank must be >= 0 (0: off), got {self.rank}")
-    if not self.alpha > 0:
-      raise ConfigError(f"lora.alpha must be > 0, got {self.alpha}")
+    check_fields(self, BOUNDS, "lora")
     if self.rank and not self.target_names:
       raise ConfigError(f"lora.targets is empty ({self.targets!r}); name the projections to "
                         f"adapt, e.g. q,k,v,o,gate,up,down")

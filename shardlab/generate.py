@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from shardlab.bounds import Float, Int, check_fields
 from shardlab.config import Config
 from shardlab.errors import ConfigError
 from shardlab.models import registry
@@ -32,6 +33,12 @@ from shardlab.data import corpus as corpus_lib
 from shardlab.training import checkpoint, precision
 from shardlab.training import run as run_lib
 from shardlab.training.state import Abstract, Shardings
+
+
+# Sampling's ranges (its check and `shardlab generate`'s options); the steps take an int32 seed.
+BOUNDS = {"max_new_tokens": Int(min=1), "num_samples": Int(min=1), "seed": Int(min=0, lt=2**31),
+          "temperature": Float(min=0, note="0 is greedy"),
+          "top_k": Int(min=0, note="0 keeps every token")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,13 +52,7 @@ class Sampling:
   eos_ids: tuple[int, ...] = ()  # a row is done once it draws one; the loop ends when all are
 
   def __post_init__(self):
-    bounds = (("max_new_tokens", 1, math.inf, ">= 1"), ("num_samples", 1, math.inf, ">= 1"),
-              ("temperature", 0, math.inf, "a finite number >= 0 (0 is greedy)"),
-              ("top_k", 0, math.inf, ">= 0 (0 keeps every token)"),
-              ("seed", 0, 2**31, "in [0, 2**31)"))  # the steps take the seed as an int32
-    for f, low, high, valid in bounds:
-      if not low <= getattr(self, f) < high:  # NaN fails it too: it would sample garbage
-        raise ConfigError(f"{f} must be {valid}, got {getattr(self, f)}")
+    check_fields(self, BOUNDS, "")
 
 
 def sample(logits_BxV, key, temperature: float, top_k: int, vocab: int = corpus_lib.VOCAB):

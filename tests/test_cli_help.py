@@ -11,7 +11,10 @@ import re
 
 import pytest
 
+from _pytest.config.argparsing import Parser as PytestParser
+
 from shardlab import cli
+from shardlab.bounds import Bound
 from shardlab.cli import plan as plan_cli
 from shardlab.cli.train import train_parser
 
@@ -66,6 +69,14 @@ def parsers() -> dict:
         out.update(_with_subparsers(key, _parser_of(run, argv, monkeypatch)))
     out["shardlab plan --help"] = plan_cli.overview_parser()
     return out
+
+
+def _plugin_parser() -> argparse.ArgumentParser:
+  """The argparse parser of the pytest plugin's options (and pytest's positional)."""
+  from shardlab.testing import plugin
+  parser = PytestParser(_ispytest=True)
+  plugin.pytest_addoption(parser)
+  return parser.optparser
 
 
 def _actions(parser):
@@ -137,6 +148,27 @@ def test_every_default_is_shown(parsers):
         missing.append(f"{key} {'/'.join(a.option_strings) or a.dest}: {d!r} not in "
                        f"{text!r}")
   assert not missing, "\n".join(missing)
+
+
+def test_every_number_is_bounded_and_help_shows_its_range(parsers):
+  """Each option that takes a number parses it with a declared Bound (shardlab/bounds.py:
+  a value out of range is argparse's exit 2), its expanded help shows the range, and its
+  default lies in it. A new `type=int` or `type=float` option fails here."""
+  wrong = []
+  for key, p in {**parsers, "pytest (the shardlab plugin)": _plugin_parser()}.items():
+    formatter = p._get_formatter()
+    for a in _actions(p):
+      name = f"{key} {'/'.join(a.option_strings) or a.dest}"
+      number = isinstance(a.default, (int, float)) and not isinstance(a.default, bool)
+      if not isinstance(a.type, Bound):
+        if a.type in (int, float) or number:
+          wrong.append(f"{name}: a number with no declared bound (type={a.type!r})")
+        continue
+      if str(a.type) not in formatter._expand_help(a):
+        wrong.append(f"{name}: the help does not show the range {str(a.type)!r}")
+      if a.default is not None and not a.type.holds(a.default):
+        wrong.append(f"{name}: the default {a.default!r} is outside {a.type}")
+  assert not wrong, "\n".join(wrong)
 
 
 OPTION = re.compile(r"(?<![\w=-])--[a-z][a-z0-9-]*")

@@ -147,7 +147,9 @@ def test_out_of_range_settings_are_refused_before_anything_is_written(tmp_path, 
                                                                       value):
   (tmp_path / "c.txt").write_text("some text")
   out = tmp_path / "out"
-  assert data_main(["prepare", str(tmp_path / "c.txt"), str(out), flag, value]) == 2
-  assert f"error: {flag} must be >= {int(flag != '--workers')}, got {value}" in \
+  with pytest.raises(SystemExit) as got:  # argparse's: the option's declared range
+    data_main(["prepare", str(tmp_path / "c.txt"), str(out), flag, value])
+  assert got.value.code == 2
+  assert f"error: argument {flag}: must be an integer >= {int(flag != '--workers')}" in \
       capsys.readouterr().err
   assert not out.exists()

@@ -122,8 +122,10 @@ def test_a_failed_async_save_ends_the_run_with_an_error(tmp_path):
 
 
 def test_inspect_zero_devices_and_a_prompt_that_is_not_utf8(capsys):
-  assert inspect_cli.inspect_main(["--devices", "0"]) == 2
-  assert "error: --devices must be >= 1 (a device count), got 0" in capsys.readouterr().err
+  with pytest.raises(SystemExit) as got:
+    inspect_cli.inspect_main(["--devices", "0"])
+  assert got.value.code == 2
+  assert "error: argument --devices: must be an integer >= 1, got '0'" in capsys.readouterr().err
   # What Python makes of the argument bytes b"def \xff": an undecodable byte, escaped.
   prompt = b"def \xff".decode("utf-8", "surrogateescape")
   assert generate_cli.generate_main(["--checkpoint", "nowhere", "--prompt", prompt]) == 2

@@ -5,8 +5,8 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # cli → {plan, hf, generate, testing} → training → {observe, data} → models → parallel →
-# sharding → {config, runtime, meshes} → errors. A module imports only lower ranks (or its own
-# group).
+# sharding → {config, runtime, meshes} → bounds → errors. A module imports only lower ranks (or
+# its own group).
 RANKS = {
     "shardlab.cli": 8,
     "shardlab.plan": 7, "shardlab.hf": 7, "shardlab.generate": 7, "shardlab.testing": 7,
@@ -16,6 +16,7 @@ RANKS = {
     "shardlab.parallel": 3,
     "shardlab.sharding": 2,
     "shardlab.config": 1, "shardlab.runtime": 1, "shardlab.meshes": 1,
+    "shardlab.bounds": 0.5,  # a number's declared range (ConfigError when out of it)
     "shardlab.errors": 0,
     "shardlab": 0,  # the package: a lazy table of names, importing nothing
 }

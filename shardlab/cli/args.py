@@ -42,9 +42,9 @@ def add_overrides(p: argparse.ArgumentParser, example: str = "train.lr=1e-3") ->
 
 
 def add_simulate_devices(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--simulate-devices", type=int, metavar="N",
-                 help=f"run on N simulated CPU devices (default {DEFAULT_SIMULATED_DEVICES} "
-                      f"when no accelerator is present)")
+  p.add_argument("--simulate-devices", type=devices.SIMULATED, metavar="N",
+                 help=f"run on N simulated CPU devices (%(type)s; default "
+                      f"{DEFAULT_SIMULATED_DEVICES} when no accelerator is present)")
 
 
 def cpu_entry_point() -> None:

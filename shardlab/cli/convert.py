@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from shardlab.runtime import devices
+from shardlab.bounds import Float
 from shardlab.cli.args import run_command
 from shardlab.errors import ConfigError
 from shardlab.runtime import units
@@ -31,8 +32,8 @@ def convert_parser(prog: str = "shardlab convert") -> argparse.ArgumentParser:
     q.add_argument("--mesh", default="fsdp:-1",
                    help="mesh the params are spread over while converting (default fsdp:-1)")
     q.add_argument("--strategy", default="fsdp", help="dp | fsdp | tp | fsdp_tp | ...")
-    q.add_argument("--simulate-devices", type=int, metavar="N",
-                   help="run on N simulated CPU devices (default: the real devices)")
+    q.add_argument("--simulate-devices", type=devices.SIMULATED, metavar="N",
+                   help="run on N simulated CPU devices (%(type)s; default: the real devices)")
 
   text = "HF_DIR (config.json + safetensors) → shardlab checkpoint"
   q = sub.add_parser("from-hf", help=text, description=text)
@@ -52,8 +53,9 @@ def convert_parser(prog: str = "shardlab convert") -> argparse.ArgumentParser:
   placement(q)
   q.add_argument("--dtype", default="auto",
                  help="auto (the stored param dtype) | float32 | bfloat16 | float16")
-  q.add_argument("--max-shard-gb", type=float, default=4.0,
-                 help="split the weights into files of at most this many GiB (default 4)")
+  q.add_argument("--max-shard-gb", type=Float(gt=0), default=4.0,
+                 help="split the weights into files of at most this many GiB (default 4; "
+                      "%(type)s)")
   q.add_argument("--tokenizer-from", metavar="HF_DIR",
                  help="copy tokenizer and generation files from this HF directory")
   q.add_argument("--overwrite", action="store_true",
@@ -99,8 +101,6 @@ def _run(args) -> None:
   if args.peft or args.base_model is not None:
     _run_peft(args)
     return
-  if args.max_shard_gb <= 0:
-    raise ConfigError(f"--max-shard-gb must be > 0, got {args.max_shard_gb}")
   files, copied = hf_convert.export_checkpoint(
       args.ckpt_dir, args.hf_dir, args.mesh, args.strategy, args.dtype,
       int(args.max_shard_gb * units.GiB), args.overwrite, args.tokenizer_from, args.strict,

@@ -8,7 +8,8 @@ import threading
 from pathlib import Path
 
 from shardlab.cli.args import run_command
-from shardlab.errors import ConfigError
+from shardlab.bounds import Int
+from shardlab.config import BOUNDS
 from shardlab.runtime import units
 
 EPILOG = """examples:
@@ -32,12 +33,15 @@ def data_parser(prog: str = "shardlab data") -> argparse.ArgumentParser:
   q.add_argument("--text-field", default="text",
                  help="the text of a .jsonl record, or the text column of a Parquet, Arrow "
                       "or datasets source (default text)")
-  q.add_argument("--held-out-fraction", type=float, default=0.02,
-                 help="every ⌈1/f⌉-th document goes to the held-out split (default 0.02)")
-  q.add_argument("--workers", type=int, default=0, help="tokenizing processes (0: per core)")
-  q.add_argument("--shard-tokens", type=int, default=2**27,
-                 help="tokens per shard file (default 2**27 = %(default)s)")
-  q.add_argument("--max-bytes", type=int, help="read at most this much text")
+  q.add_argument("--held-out-fraction", type=BOUNDS["data.held_out_fraction"], default=0.02,
+                 help="every ⌈1/f⌉-th document goes to the held-out split (default 0.02; "
+                      "%(type)s)")
+  q.add_argument("--workers", type=Int(min=0, note="0: one per core"), default=0,
+                 help="tokenizing processes (default %(default)s; %(type)s)")
+  q.add_argument("--shard-tokens", type=Int(min=1), default=2**27,
+                 help="tokens per shard file (default 2**27 = %(default)s; %(type)s)")
+  q.add_argument("--max-bytes", type=BOUNDS["data.max_bytes"],
+                 help="read at most this much text (%(type)s; default: all of it)")
   q.add_argument("--overwrite", action="store_true",
                  help="replace OUT if an earlier prepare wrote it, finished or interrupted "
                       "(default: refuse an OUT that is not empty)")
@@ -53,10 +57,11 @@ def data_parser(prog: str = "shardlab data") -> argparse.ArgumentParser:
   q = sub.add_parser("train-bpe", help=text, description=text)
   q.add_argument("source", help="a text file or directory, a .jsonl, or stdlib")
   q.add_argument("out", help="the tokenizer.json to write")
-  q.add_argument("--vocab-size", type=int, default=2048,
-                 help="tokens in the vocabulary, > 256 (default %(default)s)")
-  q.add_argument("--max-bytes", type=int, default=8 * units.MiB,
-                 help="train on at most this much text (default 8 MiB = %(default)s)")
+  q.add_argument("--vocab-size", type=Int(gt=256, note="the byte alphabet"),
+                 default=2048, help="tokens in the vocabulary (default %(default)s; %(type)s)")
+  q.add_argument("--max-bytes", type=BOUNDS["data.max_bytes"], default=8 * units.MiB,
+                 help="train on at most this much text (default 8 MiB = %(default)s; "
+                      "%(type)s)")
   return p
 
 
@@ -74,14 +79,10 @@ def _run(args) -> None:
   say = lambda text: print(text, file=sys.stderr, flush=True)
   files = _stdlib_files(args.source)
   if args.command == "train-bpe":
-    if args.vocab_size < 257:
-      raise ConfigError(f"--vocab-size must be > 256 (the byte alphabet), got {args.vocab_size}")
     docs = sources.documents(args.source, max_bytes=args.max_bytes, stdlib_files=files)
     out = tokenizer.train_bpe(docs, args.vocab_size, args.out)
     print(f"wrote a byte-level BPE tokenizer (vocab {args.vocab_size}) to {out}")
     return
-  if not 0 < args.held_out_fraction < 0.5:
-    raise ConfigError(f"--held-out-fraction must be in (0, 0.5), got {args.held_out_fraction}")
   from shardlab.data import chat_tokens
   if chat_tokens.wanted(args.format, args.source, args.messages_field):
     index = chat_tokens.prepare(args.source, args.out, args.tokenizer, args.messages_field,

@@ -7,6 +7,7 @@ import time
 
 from shardlab import generate
 import shardlab.cli.text as text_io
+from shardlab.bounds import Int
 from shardlab.cli.args import DefaultsHelp, add_simulate_devices, setup_devices
 from shardlab.errors import ConfigError
 
@@ -27,18 +28,23 @@ def generate_parser(prog: str = "shardlab generate") -> argparse.ArgumentParser:
                       "default); give it several times to batch "
                       "prompts (those of one length share a prefill and decode loop); "
                       "default 'def '")
-  p.add_argument("--max-new-tokens", type=int, default=200,
-                 help="tokens to generate (bytes for a byte-level run); a sample ends at EOS")
-  p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
-  p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest; 0: all")
-  p.add_argument("--seed", type=int, default=0, help="the sampling seed")
-  p.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
+  bound = generate.BOUNDS
+  p.add_argument("--max-new-tokens", type=bound["max_new_tokens"], default=200,
+                 help="tokens to generate (bytes for a byte-level run; %(type)s); a sample "
+                      "ends at EOS")
+  p.add_argument("--temperature", type=bound["temperature"], default=0.8,
+                 help="divides the logits before sampling; %(type)s")
+  p.add_argument("--top-k", type=bound["top_k"], default=40,
+                 help="sample among the k likeliest; %(type)s")
+  p.add_argument("--seed", type=bound["seed"], default=0, help="the sampling seed; %(type)s")
+  p.add_argument("--num-samples", type=bound["num_samples"], default=1,
+                 help="samples per prompt; %(type)s")
   p.add_argument("--mesh", help="default: the checkpoint's")
   p.add_argument("--strategy", help="default: the checkpoint's")
   add_simulate_devices(p)
-  p.add_argument("--prefill-chunk", type=int, default=generate.PREFILL_CHUNK,
-                 help="prompt tokens per prefill call (attention's scores and the logits "
-                      "grow with it)")
+  p.add_argument("--prefill-chunk", type=Int(min=1), default=generate.PREFILL_CHUNK,
+                 help="prompt tokens per prefill call (%(type)s; attention's scores and the "
+                      "logits grow with it)")
   p.add_argument("--no-cache", action="store_true",
                  help="recompute the whole sequence for every token (slow; for checking)")
   p.add_argument("--quiet", action="store_true",

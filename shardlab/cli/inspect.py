@@ -8,6 +8,7 @@ import sys
 import jax
 import numpy as np
 
+from shardlab.bounds import Int
 from shardlab.cli.args import add_model_mesh_strategy, add_overrides, add_simulate_devices
 from shardlab.cli.args import load_config, setup_devices
 import shardlab.cli.plan_user as plan_user
@@ -26,9 +27,9 @@ def inspect_parser(prog: str = "shardlab inspect") -> argparse.ArgumentParser:
       epilog="Example: shardlab inspect --model 125m --mesh fsdp:4,tensor:2 --strategy "
              "fsdp_tp --activations")
   add_model_mesh_strategy(p, searched=False, factory=True)
-  p.add_argument("--devices", type=int, metavar="N",
-                 help="device count for a mesh with a -1 axis (default: this machine's, 8 "
-                      "simulated on CPU)")
+  p.add_argument("--devices", type=Int(min=1), metavar="N",
+                 help="device count for a mesh with a -1 axis (%(type)s; default: this "
+                      "machine's, 8 simulated on CPU)")
   p.add_argument("--activations", action="store_true", help="also show the activation specs")
   p.add_argument("--collectives", action="store_true",
                  help="also compile the train step on this machine's devices (abstract "
@@ -68,8 +69,6 @@ def compiled_collectives(cfg, sh) -> tuple[list[str], object]:
 def inspect_main(argv=None, prog: str = "shardlab inspect") -> int:
   args = inspect_parser(prog).parse_args(argv)
   try:
-    if args.devices is not None and args.devices < 1:
-      raise ConfigError(f"--devices must be >= 1 (a device count), got {args.devices}")
     setup_devices(args.simulate_devices)
     if factory_lib.is_factory(args.model):  # the user's own module: its state's table
       return _user_module(args)

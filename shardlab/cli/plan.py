@@ -9,6 +9,7 @@ import sys
 
 from shardlab import config as config_lib
 import shardlab.cli.plan_user as plan_user
+from shardlab.bounds import Float, Int
 from shardlab.cli.args import DefaultsHelp, Given, given, run_command
 from shardlab.cli.plan_render import fewest_line, render, to_json
 from shardlab.errors import ConfigError
@@ -42,18 +43,20 @@ def _add_request(p: argparse.ArgumentParser, devices_help: str = FEWEST,
   p.add_argument("--precision", default=t.precision, help="fp32 | bf16 | bf16-params")
   p.add_argument("--grad-dtype", default=t.grad_dtype,
                  help="auto (the stored params': fp32 under bf16) | fp32 | bf16")
-  p.add_argument("--global-batch", type=int, default=t.global_batch, help="sequences per step")
-  p.add_argument("--seq-len", type=int, default=t.seq_len, help="tokens per sequence")
+  p.add_argument("--global-batch", type=config_lib.BOUNDS["train.global_batch"],
+                 default=t.global_batch, help="sequences per step; %(type)s")
+  p.add_argument("--seq-len", type=config_lib.BOUNDS["train.seq_len"], default=t.seq_len,
+                 help="tokens per sequence; %(type)s")
   p.add_argument("--remat", default=t.remat, help="none | full | save-matmul-outputs | offload")
-  p.add_argument("--microbatches", type=int, default=t.microbatches,
-                 help="gradient accumulation steps")
+  p.add_argument("--microbatches", type=config_lib.BOUNDS["train.microbatches"],
+                 default=t.microbatches, help="gradient accumulation steps; %(type)s")
   p.add_argument("--strategy", default="fsdp", action=Given,
                  help=" | ".join(plan_lib.STRATEGIES) + "; with neither --devices nor --mesh, "
                       "unset means any: the one that fits on the fewest devices")
   p.add_argument("--mesh", help="preset (meshes/), TOML file, or inline 'data:2,fsdp:-1'")
-  p.add_argument("--devices", type=int,
-                 help=f"device count (sizes a -1 mesh axis, or picks the strategy's usual "
-                      f"mesh); {devices_help}")
+  p.add_argument("--devices", type=Int(min=1),
+                 help=f"device count (%(type)s; sizes a -1 mesh axis, or picks the strategy's "
+                      f"usual mesh); {devices_help}")
   p.add_argument("--target", help=f"{' | '.join(hardware.names())} (unset: the mesh preset's "
                                   f"accelerator, else h100-80g)")
   p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -74,7 +77,8 @@ def train_parser(prog: str = "shardlab plan train") -> argparse.ArgumentParser:
   _add_request(p, factory=True)
   p.add_argument("--search", action="store_true",
                  help="rank every data × fsdp × tensor factorisation and strategy that fits")
-  p.add_argument("--top", type=int, default=10, help="rows of --search to print")
+  p.add_argument("--top", type=Int(min=1), default=10,
+                 help="rows of --search to print; %(type)s")
   p.add_argument("--plot", metavar="FILE.png",
                  help="draw each strategy's per-device memory on this device count (and, "
                       "with --search, the candidates' step time against memory)")
@@ -84,9 +88,9 @@ def train_parser(prog: str = "shardlab plan train") -> argparse.ArgumentParser:
   p.add_argument("--compile-on", default="auto", choices=("auto", "cpu", "tpu", "both"),
                  help="where --compile compiles: auto = the TPU topology for a TPU target "
                       "when libtpu is installed, else simulated CPU devices")
-  p.add_argument("--compile-top", type=int, default=2, metavar="K",
-                 help="with --search --compile: compile candidates in the search's order "
-                      "until K fit, and pick by the compiled programs (a module factory: "
+  p.add_argument("--compile-top", type=Int(min=1), default=2, metavar="K",
+                 help="with --search --compile (%(type)s): compile candidates in the search's "
+                      "order until K fit, and pick by the compiled programs (a module factory: "
                       "compile its K best by estimate)")
   p.add_argument("--loss-fn", default=factory_lib.DEFAULT_LOSS, metavar="NAME",
                  help="with a module factory --model: loss_fn(model, batch), a name in its "
@@ -95,8 +99,8 @@ def train_parser(prog: str = "shardlab plan train") -> argparse.ArgumentParser:
                  help="with a module factory --model: NAME(size), the batch's arrays or "
                       "jax.ShapeDtypeStructs for --global-batch sequences, a name in its file "
                       "or module:function")
-  p.add_argument("--compile-budget-s", type=float, default=600.0, metavar="S",
-                 help="with --search --compile: start no compile after S seconds")
+  p.add_argument("--compile-budget-s", type=Float(gt=0), default=600.0, metavar="S",
+                 help="with --search --compile: start no compile after S seconds; %(type)s")
   return p
 
 
@@ -237,9 +241,6 @@ def _check_combinations(req: plan_lib.Request) -> None:
 
 
 def _train(req: plan_lib.Request, args) -> int:
-  for flag, value in (("--top", args.top), ("--compile-top", args.compile_top)):
-    if value < 1:
-      raise ConfigError(f"{flag} must be >= 1, got {value}")
   fewest = None
   if req.devices is None and req.mesh is None:
     req, fewest = fewest_devices(req, any_strategy=not given(args, "strategy"))

@@ -7,6 +7,7 @@ import json
 import sys
 
 from shardlab import generate
+from shardlab.bounds import Int
 from shardlab.cli.args import DefaultsHelp
 from shardlab.errors import ConfigError
 from shardlab.models import registry
@@ -29,19 +30,21 @@ def parser(prog: str = "shardlab plan serve") -> argparse.ArgumentParser:
              "--batch 32 --context 8192 --weights int8")
   p.add_argument("--model", default="llama3-70b", help="preset name or TOML model file")
   p.add_argument("--target", default="h100-80g", help=" | ".join(hardware.names()))
-  p.add_argument("--batch", type=int, default=1, help="sequences decoded together")
-  p.add_argument("--context", type=int,
-                 help="tokens per sequence the cache holds (prompt + generated); unset: the "
-                      "model's max_seq_len (llama3-70b: 8192), the most generate runs, and "
-                      "so the most this takes")
+  count = Int(min=1)
+  p.add_argument("--batch", type=count, default=1, help="sequences decoded together; %(type)s")
+  p.add_argument("--context", type=count,
+                 help="tokens per sequence the cache holds (prompt + generated; %(type)s); "
+                      "unset: the model's max_seq_len (llama3-70b: 8192), the most generate "
+                      "runs, and so the most this takes")
   p.add_argument("--weights", default="bf16", help=" | ".join(inf.WEIGHT_BYTES))
   p.add_argument("--kv-dtype", default="bf16", help=" | ".join(inf.KV_BYTES))
-  p.add_argument("--prefill-batch", type=int, default=1,
-                 help="sequences prefilled at once per replica (generate prefills all its "
-                      "prompts of one length at once)")
-  p.add_argument("--prefill-chunk", type=int, default=inf.PREFILL_CHUNK,
-                 help="prompt tokens per prefill call (generate --prefill-chunk)")
-  p.add_argument("--devices", type=int, help="plan the fastest layout of this many devices")
+  p.add_argument("--prefill-batch", type=count, default=1,
+                 help="sequences prefilled at once per replica (%(type)s; generate prefills "
+                      "all its prompts of one length at once)")
+  p.add_argument("--prefill-chunk", type=count, default=inf.PREFILL_CHUNK,
+                 help="prompt tokens per prefill call (generate --prefill-chunk; %(type)s)")
+  p.add_argument("--devices", type=count,
+                 help="plan the fastest layout of this many devices (%(type)s)")
   p.add_argument("--mesh", help="a layout, e.g. 'tensor:8,stage:2' or 'data:2,tensor:4' "
                                 "(unset: the fewest devices that fit)")
   p.add_argument("--compile", action="store_true",

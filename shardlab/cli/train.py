@@ -11,6 +11,8 @@ from pathlib import Path
 import jax
 
 from shardlab import generate
+from shardlab.bounds import Int
+from shardlab.config import BOUNDS
 import shardlab.cli.text as text
 from shardlab.cli.args import (add_model_mesh_strategy, add_overrides, add_simulate_devices,
                                cpu_entry_point, load_config, setup_devices)
@@ -41,18 +43,22 @@ def train_parser(prog: str = "train.py") -> argparse.ArgumentParser:
   add_model_mesh_strategy(p)
   # Unset (None) unless given, so that a default never overrides the --config file's value.
   p.set_defaults(model=None, mesh=None, strategy=None)
-  p.add_argument("--steps", type=int, help="optimizer steps (train.steps)")
-  p.add_argument("--seed", type=int, help="init and data seed (train.seed)")
+  p.add_argument("--steps", type=BOUNDS["train.steps"],
+                 help="optimizer steps (train.steps; %(type)s)")
+  p.add_argument("--seed", type=BOUNDS["train.seed"],
+                 help="init and data seed (train.seed; %(type)s)")
   p.add_argument("--precision", help="auto | fp32 | bf16 | bf16-params (train.precision)")
-  p.add_argument("--eval-every", type=int, metavar="N",
+  p.add_argument("--eval-every", type=BOUNDS["train.eval_every"], metavar="N",
                  help="held-out loss every N steps, in the metrics, TensorBoard and the plot "
-                      "(train.eval_every; default: only at the end)")
-  p.add_argument("--eval-batches", type=int, metavar="K",
-                 help="held-out batches per evaluation (train.eval_batches, default 8)")
+                      "(train.eval_every; %(type)s; default: only at the end)")
+  p.add_argument("--eval-batches", type=BOUNDS["train.eval_batches"], metavar="K",
+                 help="held-out batches per evaluation (train.eval_batches, default 8; "
+                      "%(type)s)")
   add_simulate_devices(p)
   _add_outputs(p)
-  p.add_argument("--sample-tokens", type=int, default=80, metavar="N",
-                 help="end a finished run with a sample of N tokens (0: none; default %(default)s)")
+  p.add_argument("--sample-tokens", type=Int(min=0, note="0: none"), default=80, metavar="N",
+                 help="end a finished run with a sample of N tokens (default %(default)s; "
+                      "%(type)s)")
   add_overrides(p)
   p.add_argument("--checkpoint-dir", help="save checkpoints here (async, every "
                  "checkpoint.every steps and at the end) and resume from the newest one")
@@ -66,24 +72,32 @@ def train_parser(prog: str = "train.py") -> argparse.ArgumentParser:
                       "sequence length, microbatches, seed, data); see docs/checkpoints.md")
   p.add_argument("--init-from", help="load params only from this checkpoint dir, or from a "
                  "Hugging Face Llama dir as hf:DIR (fine-tuning)")
-  p.add_argument("--stop-after", type=int, metavar="N",
+  p.add_argument("--stop-after", type=Int(min=1), metavar="N",
                  help="checkpoint and exit after N steps of this invocation (e.g. to fit a job "
-                      "time limit); a later run resumes")
-  p.add_argument("--coordinator", metavar="HOST:PORT",
-                 help="multi-process run: process 0's address (jax.distributed); TPU pods, "
-                      "SLURM and Open MPI are detected without it")
-  p.add_argument("--num-processes", type=int, metavar="N", help="with --coordinator")
-  p.add_argument("--process-id", type=int, metavar="I", help="with --coordinator: 0..N-1")
-  p.add_argument("--init-timeout", type=float, metavar="S", default=distributed.INIT_TIMEOUT_S,
-                 help="multi-process: every process must join within S seconds, else exit 4 "
-                      "naming the coordinator (default %(default)s)")
-  p.add_argument("--heartbeat-timeout", type=float, metavar="S",
-                 default=distributed.HEARTBEAT_TIMEOUT_S,
-                 help="multi-process: a process silent for S seconds is taken as dead and "
-                      "every other one exits 4 naming it (default %(default)s)")
+                      "time limit; %(type)s); a later run resumes")
+  _add_processes(p)
   p.add_argument("--quiet", action="store_true", help="no progress output")
   add_auto_args(p)
   return p
+
+
+def _add_processes(p: argparse.ArgumentParser) -> None:
+  """A multi-process run: where process 0 is, who this one is, how long to wait."""
+  p.add_argument("--coordinator", metavar="HOST:PORT",
+                 help="multi-process run: process 0's address (jax.distributed); TPU pods, "
+                      "SLURM and Open MPI are detected without it")
+  p.add_argument("--num-processes", type=Int(min=1), metavar="N",
+                 help="with --coordinator (%(type)s)")
+  p.add_argument("--process-id", type=Int(min=0), metavar="I",
+                 help="with --coordinator: 0..N-1 (%(type)s)")
+  p.add_argument("--init-timeout", type=distributed.INIT_TIMEOUT, metavar="S",
+                 default=distributed.INIT_TIMEOUT_S,
+                 help="multi-process: every process must join within S seconds, else exit 4 "
+                      "naming the coordinator (default %(default)s; %(type)s)")
+  p.add_argument("--heartbeat-timeout", type=distributed.HEARTBEAT_TIMEOUT, metavar="S",
+                 default=distributed.HEARTBEAT_TIMEOUT_S,
+                 help="multi-process: a process silent for S seconds is taken as dead and "
+                      "every other one exits 4 naming it (default %(default)s; %(type)s)")
 
 
 def _add_outputs(p: argparse.ArgumentParser) -> None:

@@ -5,18 +5,19 @@ import os
 
 import jax
 
+from shardlab.bounds import Int
 from shardlab.errors import ConfigError
 from shardlab.runtime import jax_compat
 
 
 ONE_THREAD_PER_DEVICE = "--xla_cpu_multi_thread_eigen=false"
 POOL_THREADS_PER_DEVICE = 4
+SIMULATED = Int(min=1)  # simulate()'s n, and every --simulate-devices
 
 
 def simulate(n: int) -> None:
   """Makes the CPU backend expose `n` devices. Call before any JAX computation."""
-  if n < 1:
-    raise ConfigError(f"--simulate-devices must be >= 1, got {n}")
+  SIMULATED.check(n, "--simulate-devices")
   if jax_compat.backends_are_initialized():
     have = jax.device_count()
     if jax.default_backend() == "cpu" and have == n:

@@ -19,6 +19,7 @@ import threading
 
 import jax
 
+from shardlab.bounds import Float
 from shardlab.errors import ConfigError
 from shardlab.runtime import jax_compat, open_mpi, slurm, watchdog
 
@@ -50,12 +51,14 @@ def detected_cluster() -> str | None:
   return None
 
 
+# initialize()'s timeouts, and train.py's --init-timeout and --heartbeat-timeout.
+INIT_TIMEOUT = Float(min=1, note="seconds")
+HEARTBEAT_TIMEOUT = Float(min=2, note="seconds; heartbeats are 1 s apart")
+
+
 def _check_timeouts(init_timeout_s: float, heartbeat_timeout_s: float) -> None:
-  if not init_timeout_s >= 1:
-    raise ConfigError(f"--init-timeout must be >= 1 (seconds), got {init_timeout_s:g}")
-  if not heartbeat_timeout_s >= 2:
-    raise ConfigError(f"--heartbeat-timeout must be >= 2 (seconds; heartbeats are 1 s "
-                      f"apart), got {heartbeat_timeout_s:g}")
+  INIT_TIMEOUT.check(init_timeout_s, "--init-timeout")
+  HEARTBEAT_TIMEOUT.check(heartbeat_timeout_s, "--heartbeat-timeout")
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,

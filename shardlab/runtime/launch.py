@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 
+from shardlab.bounds import Int
 from shardlab.runtime import distributed
 
 GRACE_S = 10.0
@@ -178,19 +179,18 @@ def launch_main(argv=None, prog: str = "shardlab launch") -> int:
   p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                               usage=f"{prog} -n N [--devices-per-process D] -- COMMAND ...",
                               epilog=f"On a SLURM cluster: {prog} --slurm --help")
-  p.add_argument("-n", "--num-processes", type=int, required=True,
-                 help="processes to start (required)")
-  p.add_argument("--devices-per-process", type=int, default=1,
-                 help="simulated CPU devices in each process (default %(default)s)")
-  p.add_argument("--port", type=int, help="coordinator port on 127.0.0.1 (default: a free one)")
+  p.add_argument("-n", "--num-processes", type=Int(min=1), required=True,
+                 help="processes to start (required; %(type)s)")
+  p.add_argument("--devices-per-process", type=Int(min=1), default=1,
+                 help="simulated CPU devices in each process (default %(default)s; %(type)s)")
+  p.add_argument("--port", type=Int(min=0, max=65535, note="0: a free one"),
+                 help="coordinator port on 127.0.0.1 (%(type)s; default: a free one)")
   p.add_argument("command", nargs=argparse.REMAINDER,
                  help="after --: the command each process runs, e.g. python train.py ...")
   args = p.parse_args(argv)
   command = args.command[1:] if args.command[:1] == ["--"] else args.command
   if not command:
     p.error("give the command to run after --, e.g. -- python train.py --mesh dcn.data:2,fsdp:4")
-  if args.num_processes < 1 or args.devices_per_process < 1:
-    p.error("-n and --devices-per-process must be >= 1")
   if args.port and distributed.port_in_use(args.port):
     print(f"error: --port {args.port} is already in use on this host (another run's "
           f"coordinator, or another program); leave out --port to use a free one, or stop "

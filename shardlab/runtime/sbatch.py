@@ -15,6 +15,7 @@ import argparse
 import shlex
 import sys
 
+from shardlab.bounds import Int
 from shardlab.runtime import slurm
 
 SIGNAL_S = 120  # how long before --time ends the script is told to save (SIGUSR1)
@@ -101,9 +102,11 @@ def _saves_checkpoints(command: list[str]) -> bool:
 def sbatch_main(argv=None, prog: str = "shardlab launch --slurm") -> int:
   p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                               usage=f"{prog} --nodes N --gpus-per-node G [options] -- COMMAND ...")
-  p.add_argument("--nodes", type=int, default=1, help="nodes to allocate (default %(default)s)")
-  p.add_argument("--gpus-per-node", type=int, required=True, metavar="G",
-                 help="GPUs on each node (required)")
+  count = Int(min=1)
+  p.add_argument("--nodes", type=count, default=1,
+                 help="nodes to allocate (default %(default)s; %(type)s)")
+  p.add_argument("--gpus-per-node", type=count, required=True, metavar="G",
+                 help="GPUs on each node (required; %(type)s)")
   p.add_argument("--per", choices=("gpu", "node"), default="gpu",
                  help="one task (process) per GPU, or per node driving all its GPUs "
                       "(default %(default)s)")
@@ -112,13 +115,14 @@ def sbatch_main(argv=None, prog: str = "shardlab launch --slurm") -> int:
   p.add_argument("--job-name", default="shardlab", help="the job's name (default %(default)s)")
   p.add_argument("--output", default="shardlab-%j.out",
                  help="the job's log (%%j: job id; default %(default)s)")
-  p.add_argument("--cpus-per-task", type=int,
-                 help="CPU cores for each task (unset: the cluster's default)")
-  p.add_argument("--cpu-devices", type=int, metavar="D",
-                 help="no GPUs: each task simulates D CPU devices (a test of the script)")
-  p.add_argument("--signal-seconds", type=int, default=SIGNAL_S, metavar="S",
+  p.add_argument("--cpus-per-task", type=count,
+                 help="CPU cores for each task (%(type)s; unset: the cluster's default)")
+  p.add_argument("--cpu-devices", type=count, metavar="D",
+                 help="no GPUs: each task simulates D CPU devices (a test of the script; "
+                      "%(type)s)")
+  p.add_argument("--signal-seconds", type=count, default=SIGNAL_S, metavar="S",
                  help="SIGUSR1 (save, requeue) this long before --time ends (default "
-                      "%(default)s)")
+                      "%(default)s; %(type)s)")
   p.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
                  help="one more #SBATCH line, e.g. --sbatch=--account=proj")
   p.add_argument("--script", metavar="FILE", help="write the script here (default: print it)")
@@ -129,10 +133,6 @@ def sbatch_main(argv=None, prog: str = "shardlab launch --slurm") -> int:
   if not command:
     p.error("give the command every task runs after --, e.g. -- python train.py --mesh "
             "dcn.data:2,fsdp:8")
-  for name in ("nodes", "gpus_per_node", "cpus_per_task", "cpu_devices", "signal_seconds"):
-    value = getattr(args, name)
-    if value is not None and value < 1:
-      p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
   if not _saves_checkpoints(command):
     print("warning: the command has no --checkpoint-dir: a requeued job starts over",
           file=sys.stderr)

@@ -5,6 +5,7 @@ fixture with the CLI's mesh syntax. Does nothing unless asked."""
 import jax
 import pytest
 
+from shardlab.bounds import Int
 from shardlab.errors import ConfigError
 from shardlab.runtime import devices
 from shardlab.sharding import mesh as mesh_lib
@@ -12,13 +13,15 @@ from shardlab.testing import cache
 
 OPTION, INI = "--shardlab-devices", "shardlab_devices"
 CACHE_OPTION, CACHE_INI = "--shardlab-cache", "shardlab_cache"
+DEVICES = Int(min=0)  # the option's and the ini value's range
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
   group = parser.getgroup("shardlab")
-  group.addoption(OPTION, type=int, default=None, metavar="N",
-                  help="run the tests on N simulated CPU devices (before JAX starts)")
-  parser.addini(INI, "N simulated CPU devices for the tests (0: leave JAX alone)",
+  group.addoption(OPTION, type=DEVICES, default=None, metavar="N",
+                  help="run the tests on N simulated CPU devices (before JAX starts; "
+                       f"%(type)s; 0 or unset: the {INI} ini value)")
+  parser.addini(INI, f"N simulated CPU devices for the tests ({DEVICES}; 0: leave JAX alone)",
                 default="0")
   group.addoption(CACHE_OPTION, default=None, metavar="DIR",
                   help="keep compiled programs in DIR (JAX's persistent compilation cache, one "
@@ -30,11 +33,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def requested_devices(config: pytest.Config) -> int:
   # The command line is only pre-parsed this early: its value is in known_args_namespace.
-  value = getattr(config.known_args_namespace, "shardlab_devices", None) or config.getini(INI)
+  value = getattr(config.known_args_namespace, "shardlab_devices", None)
+  if value:  # parsed by DEVICES; 0 defers to the ini value
+    return value
   try:
-    return int(value or 0)
-  except ValueError:
-    raise pytest.UsageError(f"{INI} must be an integer, got {value!r}") from None
+    return DEVICES.parse(config.getini(INI) or "0")
+  except ValueError as e:
+    raise pytest.UsageError(f"{INI} {e}") from None
 
 
 def requested_cache(config: pytest.Config) -> str:
