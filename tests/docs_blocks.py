@@ -23,6 +23,10 @@ and a command block with neither is run as written. SPEC is clauses separated by
                              (a run directory, a checkpoint) where no earlier block does
   "old" -> "new"             a literal text substitution (the text must occur)
 
+Every training command also gets `CI_TRAIN`'s flags where it does not set them itself: no
+end-of-run sample (two more compiles a run) and one held-out batch instead of eight. What a
+doc shows a user is still run; tests/test_generate_sharded.py checks the sample itself.
+
 Shell blocks: a `sh`/`bash` block is a script, every line a command. A `console` block shows
 a session: a line starting with `$ ` is a command (continued on the next lines while a line
 ends in a backslash), every other line is output, shown for illustration and not compared.
@@ -121,16 +125,26 @@ def _flags(words: list[str]) -> list[tuple[str, str | None]]:
   return flags
 
 
+CI_TRAIN = [("--sample-tokens", "0"), ("--set", "train.eval_batches=1")]
+
+
+def with_ci_train(cmds: list[str]) -> list[str]:
+  """The commands with `CI_TRAIN`'s flags added to each training command that lacks them."""
+  return [_scale_script(c, CI_TRAIN, "train", keep=True) for c in cmds]
+
+
 COMMAND = re.compile(r"(?:python\s+train\.py|\bshardlab\s+(?:data\s+)?([a-z-]+))")
 
 
-def _scale_script(script: str, flags, only: str | None) -> str:
+def _scale_script(script: str, flags, only: str | None, keep: bool = False) -> str:
   # One command per logical line: join continuations, scale, keep the joined form.
   logical = script.replace("\\\n", " ")
-  return "\n".join(_scale_line(line, flags, only) for line in logical.split("\n"))
+  return "\n".join(_scale_line(line, flags, only, keep) for line in logical.split("\n"))
 
 
-def _scale_line(line: str, flags, only: str | None) -> str:
+def _scale_line(line: str, flags, only: str | None, keep: bool = False) -> str:
+  """`line` with `flags` replacing the command's own (or added); with `keep`, a flag the
+  command already gives is left as it is."""
   m = COMMAND.search(line)
   if not m or (only and (m.group(1) or "train") != only):
     return line
@@ -146,5 +160,8 @@ def _scale_line(line: str, flags, only: str | None) -> str:
       pat = re.compile(rf"{re.escape(flag)}(?:[ =](?!--)\S+)?" if value else
                        rf"{re.escape(flag)}(?=\s|$)")
       new = f"{flag} {shlex.quote(value)}" if value else flag
-    head = pat.sub(lambda _: new, head, count=1) if pat.search(head) else f"{head} {new}"
+    if not pat.search(head):
+      head = f"{head} {new}"
+    elif not keep:
+      head = pat.sub(lambda _: new, head, count=1)
   return head + tail

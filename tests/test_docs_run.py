@@ -25,7 +25,8 @@ import time
 
 import pytest
 
-from docs_blocks import PYTHON, ROOT, SHELL, Block, apply_spec, blocks, commands, docs
+from docs_blocks import (PYTHON, ROOT, SHELL, Block, apply_spec, blocks, commands, docs,
+                         with_ci_train)
 
 LINKED = ("train.py", "examples", "meshes", "models", "bench", "tests", "shardlab", ".venv",
           "pyproject.toml", "Makefile")
@@ -67,6 +68,7 @@ def _tail(text: str, lines: int = 25) -> str:
 
 def _run_shell(b: Block, workdir, env) -> str:
   cmds, extra = apply_spec(b, commands(b))
+  cmds = with_ci_train(cmds)
   script = "set -eo pipefail\n" + "\n".join(cmds) + "\n"
   # A session of its own: a timeout ends the block's every process, not only bash.
   proc = subprocess.Popen(["bash", "-c", script], cwd=workdir, env=env | extra, text=True,
