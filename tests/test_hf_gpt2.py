@@ -238,7 +238,7 @@ def test_the_presets_write_configs_transformers_builds_back(preset):
   cfg = transformers.GPT2Config(**{k: v for k, v in written.items()
                                    if k not in ("dtype", "torch_dtype")})
   back = hf_config.to_model(cfg.to_dict(), model.name)
-  assert back == model
+  assert back == dataclasses.replace(model, attention="xla")  # no attention kernel in HF's
   if preset == "gpt2-124m":
     assert written["eos_token_id"] == 50256
     with torch.device("meta"):

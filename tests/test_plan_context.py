@@ -100,8 +100,9 @@ def test_longest_context_is_the_edge_of_what_fits():
     unit = max(longest_context.GRANULE, 2 * r.context)
     assert longest_context.fastest_fitting(req, model, acc, 8, r.context,
                                            r.seq_len + unit) is None
-  # Splitting the sequence over more devices fits a longer one.
-  assert rows[-1].seq_len > rows[0].seq_len
+  # Every row leaves a device a quarter of a sequence's activations (one sequence over
+  # context × sequence-parallel tensor = 4, or two over 8), so each fits about as long a one.
+  assert max(r.seq_len for r in rows) <= 1.01 * min(r.seq_len for r in rows)
 
 
 def test_cli_longest_context(capsys):

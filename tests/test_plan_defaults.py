@@ -53,7 +53,7 @@ def test_the_table_says_so_and_a_strategy_or_target_given_is_kept(capsys):
   assert out["estimate"]["n_devices"] == out["min_devices"]["fsdp_tp"]["devices"]
   assert plan_cli.plan_main(["train", "--model", "llama2-70b", "--strategy", "tp"]) == 2
   err = capsys.readouterr().err
-  assert "strategy 'tp' fits on no count of h100-80g" in err and "fsdp fits on 64" in err
+  assert "strategy 'tp' fits on no count of h100-80g" in err and "fsdp fits on 32" in err
 
 
 def test_the_mesh_found_reads_back_as_an_inline_mesh():

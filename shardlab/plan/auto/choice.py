@@ -7,11 +7,11 @@ compiling it.
 2. Compile in that order, with abstract inputs (nothing is allocated), for the devices that
    will run the step or the target's TPU topology, until K candidates fit by XLA's memory
    analysis, the list ends, or the time budget is spent (at least one is compiled).
-3. Predict each fitting candidate's step from its compiled program: its matmul FLOPs (loops
-   unrolled, `observe.hlo_flops`) at the target's achievable fraction of peak; its
-   collective bytes at the link speeds the formula found for that placement (the formula's
-   communication time scaled by compiled ÷ formula bytes); the formula's HBM traffic. The
-   largest term is the step, as in the planner.
+3. Predict each fitting candidate's step from its compiled program by the planner's
+   step-time model (`auto.predict`): the formula's matmul and attention time scaled by the
+   program's matmul FLOPs over the formula's (loops unrolled, `observe.hlo_flops`), its
+   memory-bound work and bubble, and the collectives' exposed part with their times scaled
+   by compiled ÷ formula bytes; or the HBM or host-transfer floor, where longer.
 4. The winner: the fastest predicted step; ties go to less compiled memory, then to the
    formula's order. Everything here is deterministic but the budget's clock: several
    processes take process 0's choice.
@@ -24,6 +24,7 @@ from collections.abc import Callable
 from shardlab.errors import ConfigError
 from shardlab.observe import xla_log
 from shardlab.observe.step_report import StepReport
+from shardlab.plan.auto.predict import predict
 from shardlab.plan.compiled import train_step as plan_compile
 from shardlab.plan.training.estimate import Estimate, Request, estimate, split_ici_dcn
 from shardlab.plan.training.search import divisors, search
@@ -165,22 +166,6 @@ def _fitting(req: Request, model, acc, n: int, strategies: tuple, mesh: str | No
   return out
 
 
-def predict(report: StepReport, target_est: Estimate, compiled_est: Estimate,
-            acc: hardware.Accelerator, spec: mesh_lib.MeshSpec) -> tuple[float, str]:
-  """(step seconds, what bounds it) from a compiled program; `compiled_est` is the formula
-  spelled for the backend it was compiled on (XLA:CPU moves bf16 collectives as fp32)."""
-  compute = report.flops / (acc.peak_flops * acc.efficiency)
-  compiled_bytes = sum(k["bytes"] for k in report.kinds().values())
-  formula_bytes = sum(compiled_est.collectives.values())
-  if formula_bytes:
-    comm = target_est.comm_s * compiled_bytes / formula_bytes
-  else:  # traffic the formula has none of: over the slowest link the mesh has
-    comm = compiled_bytes / (acc.dcn_bw if spec.dcn else acc.ici_bw)
-  terms = {"compute": compute, "memory": target_est.memory_s, "communication": comm}
-  bound = max(terms, key=terms.get)
-  return terms[bound], bound
-
-
 def choose(req: Request, model, acc: hardware.Accelerator, n: int,
            compile_fn: Callable[[Option], StepReport], backend: str,
            strategy: str | None = None, mesh: str | None = None, memory_options: bool = False,
@@ -243,7 +228,8 @@ def _compile(c: Candidate, req: Request, model, acc, compile_fn, backend: str,
     return
   r = req.with_train(remat=c.option.remat, microbatches=c.option.microbatches)
   as_compiled = estimate(r, model, acc, c.spec, c.option.strategy, backend=backend)
-  c.predicted_s, c.binding = predict(c.report, c.estimate, as_compiled, acc, c.spec)
+  c.predicted_s, c.binding = predict(c.report, c.estimate, as_compiled, acc, c.spec,
+                                     model.n_layers)
   c.verdict = "fits"
 
 
@@ -275,7 +261,8 @@ def render(choice: Choice) -> list[str]:
   return [f"auto layout on {choice.n_devices} × {choice.target.name} "
           f"({size(choice.target.usable_bytes)} usable): {len(choice.candidates)} "
           f"fit by formula, {n_compiled} compiled in {choice.compile_s:.1f} s "
-          f"(memory: formula per device; predicted: roofline on the compiled program)",
+          f"(memory: formula per device; predicted: the step-time model on the compiled "
+          f"program)",
           *table_lines(choice.candidates, choice.winner, choice.target),
           *([] if all(c.memory_judged for c in choice.candidates) else [
               "  (XLA:CPU computes bf16 in fp32 buffers: its compiled totals are shown, not "

@@ -15,7 +15,8 @@ model's config; a module of the user's has none, so here:
    usable memory per device are dropped, the rest ranked by estimated bytes, least first.
 3. Compile the best `top_k` (the real `sl.train_step`, abstract inputs, nothing allocated)
    and score each by a roofline on its compiled program: the largest of its matmul FLOPs at
-   the target's achievable peak, its collective bytes over the link, and its buffers read
+   the rate the planner's step-time model gives weight matmuls
+   (`step_time.matmul_efficiency`), its collective bytes over the link, and its buffers read
    once at memory bandwidth. The winner: the lowest score; ties go to less compiled memory,
    then to the estimate's order.
 """
@@ -31,6 +32,7 @@ from shardlab.observe import xla_log
 from shardlab.plan.compiled import aot
 from shardlab.plan.compiled import train_step as plan_compile
 from shardlab.plan.training import search
+from shardlab.plan.training import step_time as plan_time
 from shardlab.plan.auto.choice import seconds_text
 from shardlab.plan.module.planner import ModulePlan, plan_module
 from shardlab.runtime import hardware
@@ -205,7 +207,8 @@ def roofline(report: StepReport, acc: hardware.Accelerator) -> tuple[float, str]
   collectives cross the fast link unless the devices span more than one fast domain."""
   link = acc.ici_bw if report.n_devices <= acc.ici_domain else acc.dcn_bw
   buffers = report.argument_bytes + report.output_bytes + report.temp_bytes
-  terms = {"compute": report.flops / (acc.peak_flops * acc.efficiency),
+  # Its matmuls at the rate the planner's step-time model runs weight matmuls at.
+  terms = {"compute": report.flops / (acc.peak_flops * plan_time.matmul_efficiency(acc)),
            "communication": sum(k["bytes"] for k in report.kinds().values()) / link,
            "memory": buffers / acc.hbm_bw}
   bound = max(terms, key=terms.get)

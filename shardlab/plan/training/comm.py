@@ -8,15 +8,17 @@ compiled step's HLO one to one. They are derived from the rules tables, per para
                     the forward and once in the backward for scanned layers, once for the
                     embedding/head/final norm (XLA keeps that copy for the backward);
   gradients         partial sums over the batch axes (in the dtype `Backend` says); reduce-
-                    scattered onto the axes the
-                    gradient sharding keeps, all-reduced over the rest (a backend without
-                    reduce-scatter, like XLA:CPU, all-reduces the whole compute-layout grad);
+                    scattered onto the axes the gradient sharding keeps, all-reduced over the
+                    rest (a backend without reduce-scatter, like XLA:CPU, all-reduces the
+                    whole compute-layout grad);
   update            axes the optimizer state is sharded over but the params are not (ZeRO-1/2)
                     mean the updated params are all-gathered;
   tensor parallel   per layer and microbatch two all-reduces of B×L×D forward (after o-proj
                     and down-proj) and five backward (one per input projection), one more
                     under full remat; one for the vocab-sharded embedding lookup and one for
-                    the head's input gradient.
+                    the head's input gradient;
+  sequence parallel those reductions land on the sequence shards (reduce-scatters), and each
+                    block's input is all-gathered (`sequence_transfers`).
 """
 
 import dataclasses
@@ -49,6 +51,11 @@ def _axes(spec) -> set[str]:
       continue
     out.update((entry,) if isinstance(entry, str) else entry)
   return out
+
+
+def _live(rule, mesh) -> tuple[str, ...]:
+  """The mesh axes of an activation rule that split anything on `mesh`, sorted."""
+  return tuple(sorted(x for x in rules_lib._axes(rule) if mesh.shape.get(x, 1) > 1))
 
 
 def _shards(axes, mesh) -> int:
@@ -180,8 +187,7 @@ def context_transfers(m, a: ActivationShapes, rules: rules_lib.Rules, mesh, p: i
     ring        forward passes the local K/V block on c-1 times; backward passes it on c-1
                 times more and the fp32 dK/dV accumulators c times (they end at home);
   and the zig-zag layout's permute of the B×L×D output, forward and backward."""
-  axes = tuple(sorted(x for x in rules_lib._axes(rules.activations.get("length"))
-                      if mesh.shape.get(x, 1) > 1))
+  axes = _live(rules.activations.get("length"), mesh)
   c = a.context
   if c == 1 or not axes:
     return []
@@ -201,13 +207,15 @@ def context_transfers(m, a: ActivationShapes, rules: rules_lib.Rules, mesh, p: i
 
 def activation_transfers(m, a: ActivationShapes, rules: rules_lib.Rules, mesh,
                          p: int, remat: str, microbatches: int,
-                         layer_runs: float | None = None) -> list[Transfer]:
-  """Tensor-parallel all-reduces of the residual stream (Megatron's f/g operators) and
-  context parallelism's KV exchange. `layer_runs`: layer applications per device, each on
-  one microbatch (default: n_layers × microbatches; fewer on a pipeline's stage)."""
+                         layer_runs: float | None = None,
+                         reduce_scatter: bool = False) -> list[Transfer]:
+  """Tensor parallelism's collectives of the residual stream (Megatron's f/g operators: all-
+  reduces, or under sequence parallelism reduce-scatters and all-gathers) and context
+  parallelism's KV exchange. `layer_runs`: layer applications per device, each on one
+  microbatch (default: n_layers × microbatches; fewer on a pipeline's stage);
+  `reduce_scatter`: whether the backend forms reduce-scatters (`Backend`)."""
   out = context_transfers(m, a, rules, mesh, p, remat, microbatches)
-  tensor = tuple(sorted(a_ for a_ in rules_lib._axes(rules.activations.get("heads"))
-                        if mesh.shape.get(a_, 1) > 1))
+  tensor = _live(rules.activations.get("heads"), mesh)
   if not tensor:
     return out
   # Forward: after o-proj and down-proj. Backward: XLA reduces each projection's input
@@ -215,13 +223,47 @@ def activation_transfers(m, a: ActivationShapes, rules: rules_lib.Rules, mesh,
   # repeats the o-proj one (the layer's output itself is not needed again).
   per_layer = 2 + 5 + (1 if remat in RECOMPUTE_ALL else 0)
   runs = m.n_layers * microbatches if layer_runs is None else layer_runs
+  vocab = _live(rules.activations.get("vocab"), mesh)
+  sequence = tuple(x for x in _live(rules.activations.get("residual_length"), mesh)
+                   if x in tensor)
+  if sequence:
+    return out + sequence_transfers(a, (tensor, sequence, vocab), p, runs, per_layer,
+                                    microbatches, reduce_scatter)
   out += [Transfer("all-reduce", runs * per_layer * a.d * p, tensor,
                   "attention/MLP outputs and input grads")]
-  vocab = tuple(sorted(a_ for a_ in rules_lib._axes(rules.activations.get("vocab"))
-                       if mesh.shape.get(a_, 1) > 1))
   if vocab:
     out.append(Transfer("all-reduce", a.d * (p + 4) * microbatches, vocab,
                         "embedding lookup and the fp32 head's input grad"))
+  return out
+
+
+# Sequence parallelism's all-gathers of B×L×D a layer run (counted on XLA's compiles): the
+# attention's and MLP's inputs, their output gradients, and the two norm outputs saved split,
+# gathered again for the weight gradients (under full remat, by the recomputed forward).
+SEQUENCE_GATHERS = 6
+
+
+def sequence_transfers(a: ActivationShapes, axes: tuple, p: int, runs: float, per_layer: int,
+                       microbatches: int, reduce_scatter: bool) -> list[Transfer]:
+  """Megatron sequence parallelism (Korthikanti et al. 2022), the residual stream split along
+  the sequence (`axes`: tensor, sequence, vocab axes): tensor parallelism's reductions of
+  B×L×D land on the sequence shards, and each matmul region (the head too) starts with an
+  all-gather of the sequence. With reduce-scatter (TPU) each region's input gradients (q, k,
+  v; gate, up) are summed first, as in Megatron: 2 + 2 a layer (+1 under full remat), and the
+  head's input gradient (the lookup gathered a small table, test_plan_tpu.py). XLA:CPU
+  all-reduces and slices `per_layer` a layer, and the lookup's, as for tensor parallelism."""
+  tensor, sequence, vocab = axes
+  if reduce_scatter:
+    reductions, outer, kind = per_layer - 3, a.d * p, "reduce-scatter"  # 5 backward: 2
+  else:
+    reductions, outer, kind = per_layer, a.d * (p + 4), "all-reduce"
+  out = [Transfer(kind, runs * reductions * a.d * p, tensor,
+                  "attention/MLP outputs and input grads onto sequence shards"),
+         Transfer("all-gather", (runs * SEQUENCE_GATHERS + microbatches) * a.d * p, sequence,
+                  "the sequence for attention, the MLP and the head")]
+  if vocab:
+    out.append(Transfer(kind, outer * microbatches, vocab,
+                        "embedding lookup (CPU) and the head's input grad"))
   return out
 
 

@@ -30,6 +30,11 @@ from shardlab.training import step as step_lib
 
 MAX_DEVICES = 65536
 STRATEGIES = tuple(rules_lib.STRATEGIES)
+# The layer scan's remat policies (parallel.REMAT_POLICIES), each modelled: the residuals
+# kept on the device (memory.layer_saved_bytes), those kept in host memory
+# (memory.offloaded_activation_bytes: Memory.host, and the host-transfer time), and the
+# forward work the backward pass runs again (comm.hardware_flops_per_token, step_time).
+REMAT_POLICIES = ("none", "full", "save-matmul-outputs", "offload")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +63,12 @@ class Estimate:
   accounting: dict  # category -> {"bytes_per_param", "divided_by"} (ZeRO's table)
   pipeline: object = None  # plan.pipeline.Pipeline when the rules split layers over stage
   time: object = None  # step_time.StepTime: the step's parts
+  # The collectives' time in step_time's two kinds (activations' serial, weights' hideable),
+  # and attention's FLOPs where a fused kernel (splash, cuDNN) runs them, out of sight of a
+  # compiled program's dot count: what auto.predict needs to redo the step from a program.
+  serial_comm_s: float = 0.0
+  hideable_comm_s: float = 0.0
+  kernel_flops: float = 0.0
 
   @property
   def fits(self) -> bool:
@@ -125,7 +136,7 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
   if a dimension or the batch does not divide). `backend` (default: the target's kind) says
   how collectives are spelled; "cpu" to compare with a step compiled on CPU."""
   strategy = strategy or req.strategy
-  train = train_config(req)
+  train = _modelled(train_config(req))
   policy = precision_lib.resolve(train.precision)
   rules = rules_lib.strategy(strategy, req.rules)
   mesh = abstract_mesh(spec)
@@ -150,13 +161,12 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
   memory_s = _hbm_traffic(memory, shapes, model, train, p) / acc.hbm_bw
   memory, serial, _, pipe = plan_pipeline.fold(
       model, train, rules, mesh, p, abstract, sh, be.name, memory, serial, 0.0)
-  transfers = weights + serial
   seconds = lambda ts: sum(plan_comm.transfer_time(t, spec, acc) for t in ts)
-  comm_s = seconds(transfers)
+  serial_s, hideable_s = seconds(serial), seconds(weights)
+  comm_s = hideable_s + serial_s
   bubble = pipe.bubble if pipe else 0.0  # a pipeline's layer runs count its idle ones
   time = plan_time.step_time(model, train, acc, tokens_per_device, flops, shapes, p,
-                             uses.layer_runs * (1 - bubble), seconds(serial),
-                             seconds(weights), bubble)
+                             uses.layer_runs * (1 - bubble), serial_s, hideable_s, bubble)
   host_bytes = 2 * (state["host"] + offloaded_acts * train.microbatches)  # both ways
   terms = {"compute": time.step_s, "memory": memory_s,
            "host transfers": host_bytes / acc.host_bw}
@@ -168,7 +178,7 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
   return Estimate(
       strategy=strategy, mesh=spec.describe(), mesh_shape=dict(mesh.shape),
       n_devices=spec.n_devices, memory=memory, usable_bytes=acc.usable_bytes,
-      collectives=plan_comm.totals(transfers), flops_per_device=flops,
+      collectives=plan_comm.totals(weights + serial), flops_per_device=flops,
       model_flops_per_device=model_flops, compute_s=time.compute_s, memory_s=memory_s,
       comm_s=comm_s, step_s=step_s, binding=binding,
       mfu=model_flops / (step_s * acc.peak_flops),
@@ -177,7 +187,25 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
       tokens_per_s=train.global_batch * train.seq_len / step_s,
       host_transfer_bytes=host_bytes, host_s=terms["host transfers"],
       accounting=state_bytes.state_accounting(abstract, sh, state, policy, uses.looped,
-                                              grad_dtype), pipeline=pipe, time=time)
+                                              grad_dtype), pipeline=pipe, time=time,
+      serial_comm_s=serial_s, hideable_comm_s=hideable_s,
+      kernel_flops=_kernel_flops(model, train, be.name, shapes) * tokens_per_device)
+
+
+def _modelled(train: config_lib.TrainConfig) -> config_lib.TrainConfig:
+  if train.remat not in REMAT_POLICIES:
+    raise ConfigError(f"train.remat {train.remat!r} is not modelled by the planner; it models "
+                      f"{', '.join(REMAT_POLICIES)}")
+  return train
+
+
+def _kernel_flops(model, train, platform: str, shapes) -> float:
+  """Attention's FLOPs a token where flash runs as one fused kernel (splash on a TPU, cuDNN
+  on a GPU), out of sight of a compiled program's dot count; under context parallelism it
+  is ring.py's blockwise einsums, which the count sees."""
+  if platform in ("tpu", "gpu") and shapes.flash and shapes.context == 1:
+    return plan_time.attention_flops_per_token(model, train.seq_len, train.remat)
+  return 0.0
 
 
 def _memory(model, train, rules, mesh, abstract, sh, policy, grad_dtype, p: int, be, uses):
@@ -202,7 +230,8 @@ def _transfers(model, req: Request, train, rules, mesh, policy, abstract, be, us
   weights = plan_comm.param_transfers(abstract, rules, mesh, policy, uses.looped,
                                       model.tie_embeddings, be, uses.layer_uses)
   serial = (plan_comm.activation_transfers(model, shapes, rules, mesh, wire, train.remat,
-                                           train.microbatches, uses.layer_runs) +
+                                           train.microbatches, uses.layer_runs,
+                                           be.reduce_scatter) +
             plan_experts.transfers(model, rules, mesh, train.global_batch, train.seq_len,
                                    wire, train.remat))
   return weights, serial
@@ -257,10 +286,11 @@ def _gathered_bytes(abstract, rules, mesh, p: int) -> tuple[float, float]:
 
 def _hbm_traffic(memory: plan_memory.Memory, a, model, train, p: int) -> float:
   """Bytes moved to and from HBM per step (rough): weights read forward and backward (and
-  again under full remat) per microbatch, saved activations written and read, logits, and
-  the optimizer's read-modify-write of params, grads and state."""
+  again where remat reruns the forward) per microbatch, saved activations written and read,
+  logits, and the optimizer's read-modify-write of params, grads and state."""
   weights = memory.params + memory.gathered
-  reads = (3 + (1 if train.remat == "full" else 0)) * weights * train.microbatches
+  again = train.remat in plan_comm.RECOMPUTE_ALL  # offload's forward runs again too
+  reads = (3 + (1 if again else 0)) * weights * train.microbatches
   acts = 2 * (memory.activations + a.logits * 4 * 2) * train.microbatches
   update = 2 * (memory.state + memory.grads)
   return reads + acts + update

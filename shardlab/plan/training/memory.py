@@ -1,5 +1,5 @@
 """Analytic memory per device: activations after Korthikanti et al. 2022, divided exactly as
-shardlab's rules shard them, and the shard arithmetic the model state's count shares.
+shardlab's rules shard them (shard arithmetic: shardlab.plan.training.shards).
 
 Model state (weights, gradients, optimizer state; host bytes under offload) is
 shardlab.plan.training.state_bytes's.
@@ -14,13 +14,11 @@ transients live at the step's peak as XLA's buffer assignment shows them (docs/p
 import dataclasses
 import math
 
-import jax
-import jax.numpy as jnp
-
 from shardlab.config import TrainConfig
 from shardlab.models import protocol
 from shardlab.parallel import flash as attention
-from shardlab.sharding import rules as rules_lib
+from shardlab.plan.training.shards import (  # noqa: F401 (re-exported)
+    dim_shards, itemsize, shard_elems, tree_shard_bytes)
 
 GB = 1e9
 FLASH_BLOCK = 512  # the query/key block of parallel/flash.py and parallel/ring.py
@@ -62,39 +60,13 @@ class Memory:
     return d
 
 
-def itemsize(dtype) -> int:
-  return jnp.dtype(dtype).itemsize
-
-
-def shard_elems(shape: tuple, names: tuple, table: dict, mesh, what: str) -> int:
-  """Elements per device of a tensor with logical `names` under `table` (ConfigError if a
-  dim does not divide its mesh axes)."""
-  spec = rules_lib.spec(names, shape, table, mesh, what)
-  n = math.prod(shape)
-  for axes in spec:
-    for axis in (axes,) if isinstance(axes, str) else (axes or ()):
-      n //= mesh.shape[axis]
-  return n
-
-
-def dim_shards(names: tuple, shape: tuple, dim: int, table: dict, mesh) -> int:
-  """Into how many pieces `table` splits dim `dim` of a tensor with logical `names`."""
-  spec = rules_lib.spec(names, shape, table, mesh, f"activation {names}")
-  entry = spec[dim] if dim < len(spec) else None
-  return math.prod(mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry or ()))
-
-
-def tree_shard_bytes(abstract_tree, sharding_tree, dtype=None) -> float:
-  leaves = jax.tree.leaves(jax.tree.map(
-      lambda a, s: math.prod(s.shard_shape(a.shape)) * itemsize(dtype or a.dtype),
-      abstract_tree, sharding_tree))
-  return float(sum(leaves))
-
-
 @dataclasses.dataclass(frozen=True)
 class ActivationShapes:
   """Per-device element counts of one microbatch's activations (one layer where per-layer)."""
-  d: int  # B×L×D (residual stream, norm inputs and outputs)
+  d: int  # B×L×D whole over `tensor` (what the attention and MLP matmuls read)
+  # The residual stream (layer input, norm inputs and outputs) as the rules split it: `d`,
+  # or 1/tensor of it under sequence parallelism (the `residual_length` rule).
+  residual: int
   q: int  # B×L×H×E
   kv: int  # B×L×K×E
   scores: int  # B×H×L×L
@@ -139,6 +111,7 @@ def activation_shapes(m, micro_batch: int, seq_len: int, table: dict, mesh,
                "scores")
   return ActivationShapes(
       d=n((b, s, m.d_model), ("batch", "length", "embed"), "x"),
+      residual=n((b, s, m.d_model), ("batch", "residual_length", "embed"), "residual"),
       q=n((b, s, m.n_heads, m.head_dim), ("batch", "length", "heads", "head_dim"), "q"),
       kv=n((b, s, m.n_kv_heads, m.head_dim), ("batch", "length", "kv_heads", "head_dim"), "k"),
       scores=scores,
@@ -154,7 +127,10 @@ def activation_shapes(m, micro_batch: int, seq_len: int, table: dict, mesh,
 
 def _saved_by_shape(a: ActivationShapes, p: int, m) -> dict[str, float]:
   counts = protocol.get(m, "saved_activations")
-  out = {k: getattr(a, k) * (4 * f32 + p * low) for k, (f32, low) in counts.items()}
+  # Its B×L×D tensors (norm inputs and outputs, residual adds) are the residual stream's,
+  # sequence-split under sequence parallelism (XLA gathers them again for the backward).
+  out = {k: getattr(a, "residual" if k == "d" else k) * (4 * f32 + p * low)
+         for k, (f32, low) in counts.items()}
   if a.flash:  # no probabilities: the kernel keeps its own q, k, v, output and fp32 lse
     out["scores"] = a.q * FLASH_SAVED_Q * p + a.kv * FLASH_SAVED_KV * p + a.q / m.head_dim * 4
   return out
@@ -173,12 +149,12 @@ def layer_saved_bytes(a: ActivationShapes, p: int, remat: str, m) -> float:
     (`saved_matmul_outputs`); norms, activations and attention's einsums are recomputed.
   """
   if remat == "full":
-    return a.d * p
+    return a.residual * p
   if remat == "offload":  # the layer input too goes to the host
     return 0.0
   if remat == "save-matmul-outputs":
     outs = protocol.get(m, "saved_matmul_outputs")
-    return a.d * p + sum(getattr(a, k) * n * p for k, n in outs.items())
+    return a.residual * p + sum(getattr(a, k) * n * p for k, n in outs.items())
   return sum(_saved_by_shape(a, p, m).values())
 
 
@@ -226,7 +202,7 @@ def scan_step_layers(m) -> int:
 
 def _carry(a: ActivationShapes, p: int, remat: str) -> float:
   """The scan carry (a step's input) that full or save-matmul-outputs remat keeps."""
-  return a.d * p if remat in ("full", "save-matmul-outputs") else 0.0
+  return a.residual * p if remat in ("full", "save-matmul-outputs") else 0.0
 
 
 def stack_saved_bytes(a: ActivationShapes, p: int, remat: str, m) -> float:
@@ -259,7 +235,7 @@ def _attention_backward(a: ActivationShapes, p: int) -> float:
 def offloaded_activation_bytes(m, a: ActivationShapes, p: int, remat: str) -> float:
   """Host bytes per device that remat "offload" keeps: every scan step's input."""
   steps = math.ceil(m.n_layers / scan_step_layers(m))
-  return steps * a.d * p if remat == "offload" else 0.0
+  return steps * a.residual * p if remat == "offload" else 0.0
 
 
 def loss_transients(a: ActivationShapes, p: int, fp32_logits: int = 1) -> tuple[float, float]:
@@ -285,7 +261,7 @@ def activation_memory(m, t: TrainConfig, p: int, table: dict, mesh,
   under FSDP the head itself, dead once the logits' input gradient is computed)."""
   a = activation_shapes(m, t.global_batch // t.microbatches, t.seq_len, table, mesh,
                         platform)
-  saved = stack_saved_bytes(a, p, t.remat, m) + a.d * p  # + embedding output
+  saved = stack_saved_bytes(a, p, t.remat, m) + a.residual * p  # + embedding output
   # The TPU compiler fuses a logit soft-cap into the softmax's reductions (gemma2-9b on a
   # v5e-256: one fp32 B×L×V less than XLA:CPU holds; tests/test_plan_families.py).
   copies = protocol.get(m, "loss_fp32_logits") if platform == "cpu" else 1

@@ -63,7 +63,7 @@ def _axes(value) -> tuple[str, ...]:
 def _dims(req: Request, model, microbatches: int) -> dict[str, int]:
   """Each logical name's size: the model's parameter axes, the (micro)batch, the sequence."""
   return {**model.axis_sizes(), "batch": req.train.global_batch // microbatches,
-          "length": req.train.seq_len}
+          "length": req.train.seq_len, "residual_length": req.train.seq_len}
 
 
 def placement(rules: rules_lib.Rules, spec: mesh_lib.MeshSpec, dims: dict) -> tuple | None:

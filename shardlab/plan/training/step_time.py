@@ -11,11 +11,13 @@ and the collectives that cannot hide behind compute.
                 recomputes the scores;
   memory-bound  per layer and microbatch, the elementwise passes over the residual stream,
                 q/k/v and the MLP's hidden activations (ELEMENTWISE passes each, forward and
-                backward, the forward again under full remat) and, without flash, the L×L
+                backward, the forward again under any remat) and, without flash, the L×L
                 scores (mask, softmax, its gradient) — bytes at the compute dtype / HBM
                 bandwidth, since none of them is compute-bound;
-  collectives   tensor parallelism's all-reduces sit between a layer's matmuls (each waits
-                for the one before: exposed in full); pipeline point-to-point likewise;
+  collectives   tensor parallelism's all-reduces (with sequence parallelism its reduce-
+                scatters and all-gathers, comm.sequence_transfers) sit between a layer's
+                matmuls (each waits for the one before: exposed in full); pipeline
+                point-to-point likewise;
                 weight gathers and gradient reductions (FSDP, ZeRO, data parallel) run
                 beside the next or previous layer's compute, so only what exceeds the compute
                 time is exposed, plus one layer's share (the first gather and the last
@@ -79,12 +81,13 @@ def attention_flops_per_token(m, seq_len: int, remat: str) -> float:
 
 def elementwise_bytes(a, p: int, layer_runs: float, remat: str) -> float:
   """HBM bytes of the memory-bound work: ELEMENTWISE passes per tensor per layer run, the
-  forward's half again under full remat (`a`: one microbatch's ActivationShapes)."""
+  forward's half again under any remat (save-matmul-outputs keeps only the matmuls' outputs)
+  (`a`: one microbatch's ActivationShapes)."""
   e = ELEMENTWISE
   per_layer = e["d"] * a.d + e["qkv"] * (a.q + 2 * a.kv) + e["mlp"] * a.mlp
   if not a.flash:
     per_layer += e["scores"] * a.scores
-  if remat in plan_comm.RECOMPUTE_ALL:
+  if remat != "none":  # every policy reruns the norms, activations and softmax
     per_layer *= 1.5
   return per_layer * p * layer_runs
 
