@@ -15,5 +15,7 @@ def interrupted_while_starting(signum, frame):
 
 if __name__ == "__main__":
   signal.signal(signal.SIGINT, interrupted_while_starting)
+  from shardlab.runtime import host_memory  # light: the restart comes before JAX's import
+  host_memory.cpu_entry_point()
   from shardlab.cli import train_main
   sys.exit(train_main())

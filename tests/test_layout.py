@@ -4,10 +4,11 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# cli → {plan, hf, generate, testing} → training → {observe, data} → models → parallel →
+# __main__ → cli → {plan, hf, generate, testing} → training → {observe, data} → models → parallel →
 # sharding → {config, runtime, meshes} → bounds → errors. A module imports only lower ranks (or
 # its own group).
 RANKS = {
+    "shardlab.__main__": 9,  # the `shardlab` command: restarts for huge pages, then cli
     "shardlab.cli": 8,
     "shardlab.plan": 7, "shardlab.hf": 7, "shardlab.generate": 7, "shardlab.testing": 7,
     "shardlab.training": 6,

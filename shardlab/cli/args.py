@@ -47,11 +47,7 @@ def add_simulate_devices(p: argparse.ArgumentParser) -> None:
                       f"{DEFAULT_SIMULATED_DEVICES} when no accelerator is present)")
 
 
-def cpu_entry_point() -> None:
-  """First thing in a command-line entry point: on a host without accelerators, restart with
-  huge pages for XLA:CPU's buffers (runtime.host_memory)."""
-  if not devices.accelerator_present():
-    host_memory.reexec_with_huge_pages()
+cpu_entry_point = host_memory.cpu_entry_point  # train.py and shardlab call it before this
 
 
 def setup_devices(requested: int | None) -> None:

@@ -1,6 +1,5 @@
 """Simulated CPU devices, for laptops and tests: must be chosen before the backend starts."""
 
-import glob
 import os
 
 import jax
@@ -8,6 +7,7 @@ import jax
 from shardlab.bounds import Int
 from shardlab.errors import ConfigError
 from shardlab.runtime import jax_compat
+from shardlab.runtime.accelerators import accelerator_present  # noqa: F401 (re-exported)
 
 
 ONE_THREAD_PER_DEVICE = "--xla_cpu_multi_thread_eigen=false"
@@ -40,12 +40,3 @@ def simulate(n: int) -> None:
     # part never starts: a deadlock XLA aborts after 40 s (3 runs in 8 of docs/your-model.md
     # on a busy 2-core host; none in 16 with this headroom).
     os.environ["PJRT_NPROC"] = str(POOL_THREADS_PER_DEVICE * n)
-
-
-def accelerator_present() -> bool:
-  """Whether a GPU or TPU is attached, judged from device files so no backend starts
-  (libtpu alone is no evidence: it is installed on CPU machines to compile for TPUs)."""
-  if os.environ.get("JAX_PLATFORMS", "").strip() == "cpu":
-    return False
-  return any(glob.glob(pattern) for pattern in ("/dev/nvidia[0-9]*", "/dev/accel[0-9]*",
-                                                "/dev/vfio/[0-9]*"))
