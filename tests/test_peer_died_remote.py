@@ -4,13 +4,14 @@ heartbeat. "Another host": each process is given its own host name, so the watch
 cannot look the peer's process id up on its own host."""
 
 import os
-import signal
 import socket
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
+
+from test_quiet_output import kill_and_wait
 
 ROOT = Path(__file__).resolve().parents[1]
 _PROCESS = textwrap.dedent("""
@@ -52,14 +53,7 @@ def test_a_finished_process_whose_remote_peer_dies_exits_within_5_s(tmp_path):
           logs[finishing].read_text()
       time.sleep(0.1)
     time.sleep(2)  # every process has connected to process 0's listener by now
-    procs[2].send_signal(signal.SIGKILL)
-    procs[2].wait()
-    killed = time.monotonic()
-    try:
-      code = procs[finishing].wait(timeout=60)
-    except subprocess.TimeoutExpired:
-      code = None
-    waited = time.monotonic() - killed
+    code, waited = kill_and_wait(procs[2], procs[finishing])
   finally:
     for p in procs:
       if p.poll() is None:

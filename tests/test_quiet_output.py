@@ -74,6 +74,18 @@ _PROCESS = textwrap.dedent("""
 """)
 
 
+def kill_and_wait(victim: subprocess.Popen, survivor: subprocess.Popen):
+  """SIGKILL `victim`; (the survivor's exit code or None, seconds it took to exit)."""
+  victim.send_signal(signal.SIGKILL)
+  victim.wait()
+  killed = time.monotonic()
+  try:
+    code = survivor.wait(timeout=60)
+  except subprocess.TimeoutExpired:
+    code = None
+  return code, time.monotonic() - killed
+
+
 def test_a_finished_process_whose_peer_dies_exits_within_5_s(tmp_path):
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -93,14 +105,7 @@ def test_a_finished_process_whose_peer_dies_exits_within_5_s(tmp_path):
       assert time.monotonic() < deadline and procs[0].poll() is None, logs[0].read_text()
       time.sleep(0.1)
     time.sleep(1)  # process 0 is at its exit, waiting for process 1
-    procs[1].send_signal(signal.SIGKILL)
-    procs[1].wait()
-    killed = time.monotonic()
-    try:
-      code = procs[0].wait(timeout=60)
-    except subprocess.TimeoutExpired:
-      code = None
-    waited = time.monotonic() - killed
+    code, waited = kill_and_wait(procs[1], procs[0])
   finally:
     for p in procs:
       if p.poll() is None:
