@@ -118,7 +118,7 @@ def test_target_file_errors_name_the_field(tmp_path, text, match):
 
 
 def test_bad_search_bounds_are_refused():
-  with pytest.raises(ConfigError, match="top K must be >= 1"):
+  with pytest.raises(ConfigError, match=r"top K \(--auto-top\) must be >= 1, got 0"):
     auto_layout.auto_layout(H.make_config("auto", "auto"), target=SMALL, top_k=0, say=quiet)
 
 

@@ -153,3 +153,9 @@ def test_out_of_range_settings_are_refused_before_anything_is_written(tmp_path, 
   assert f"error: argument {flag}: must be an integer >= {int(flag != '--workers')}" in \
       capsys.readouterr().err
   assert not out.exists()
+  # The library's own check reads the same declaration (a caller of tokens.prepare).
+  kw = {"--workers": {"workers": -1}, "--shard-tokens": {"shard_tokens": 0},
+        "--max-bytes": {"max_bytes": 0}}[flag]
+  with pytest.raises(ConfigError, match=f"{flag} must be >= {int(flag != '--workers')}"):
+    tokens.prepare(str(tmp_path / "c.txt"), out, "bytes", **kw)
+  assert not out.exists()

@@ -7,7 +7,6 @@ import json
 import sys
 from pathlib import Path
 
-from shardlab.bounds import Float, Int
 from shardlab.config import Config
 from shardlab.errors import ConfigError
 from shardlab.plan.auto import choice as auto
@@ -24,10 +23,10 @@ def add_auto_args(p: argparse.ArgumentParser) -> None:
   g.add_argument("--target", help=f"the accelerator the search assumes: "
                  f"{', '.join(hardware.names())} or a TOML file (default: the attached "
                  f"devices' kind; this host for CPU)")
-  g.add_argument("--auto-top", type=Int(min=1), default=4, metavar="K",
+  g.add_argument("--auto-top", type=auto.TOP_K, default=4, metavar="K",
                  help="compile candidates in the formula's order until K fit (default 4; "
                       "%(type)s)")
-  g.add_argument("--auto-budget-s", type=Float(gt=0), default=600.0, metavar="S",
+  g.add_argument("--auto-budget-s", type=auto.BUDGET_S, default=600.0, metavar="S",
                  help="start no compile after S seconds of searching (default 600; %(type)s)")
   g.add_argument("--auto-memory-options", action="store_true",
                  help="search remat policies and microbatch counts too")

@@ -20,6 +20,7 @@ EPILOG = """examples:
 
 
 def data_parser(prog: str = "shardlab data") -> argparse.ArgumentParser:
+  from shardlab.data import tokens  # prepare()'s own ranges
   p = argparse.ArgumentParser(prog=prog, description="Prepare tokenized training data.",
                               epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = p.add_subparsers(dest="command", required=True, metavar="{prepare,train-bpe}")
@@ -36,9 +37,9 @@ def data_parser(prog: str = "shardlab data") -> argparse.ArgumentParser:
   q.add_argument("--held-out-fraction", type=BOUNDS["data.held_out_fraction"], default=0.02,
                  help="every ⌈1/f⌉-th document goes to the held-out split (default 0.02; "
                       "%(type)s)")
-  q.add_argument("--workers", type=Int(min=0, note="0: one per core"), default=0,
+  q.add_argument("--workers", type=tokens.WORKERS, default=0,
                  help="tokenizing processes (default %(default)s; %(type)s)")
-  q.add_argument("--shard-tokens", type=Int(min=1), default=2**27,
+  q.add_argument("--shard-tokens", type=tokens.SHARD_TOKENS, default=2**27,
                  help="tokens per shard file (default 2**27 = %(default)s; %(type)s)")
   q.add_argument("--max-bytes", type=BOUNDS["data.max_bytes"],
                  help="read at most this much text (%(type)s; default: all of it)")

@@ -9,7 +9,7 @@ import sys
 
 from shardlab import config as config_lib
 import shardlab.cli.plan_user as plan_user
-from shardlab.bounds import Float, Int
+from shardlab.bounds import Int
 from shardlab.cli.args import DefaultsHelp, Given, given, run_command
 from shardlab.cli.plan_render import fewest_line, render, to_json
 from shardlab.errors import ConfigError
@@ -88,7 +88,7 @@ def train_parser(prog: str = "shardlab plan train") -> argparse.ArgumentParser:
   p.add_argument("--compile-on", default="auto", choices=("auto", "cpu", "tpu", "both"),
                  help="where --compile compiles: auto = the TPU topology for a TPU target "
                       "when libtpu is installed, else simulated CPU devices")
-  p.add_argument("--compile-top", type=Int(min=1), default=2, metavar="K",
+  p.add_argument("--compile-top", type=plan_auto.TOP_K, default=2, metavar="K",
                  help="with --search --compile (%(type)s): compile candidates in the search's "
                       "order until K fit, and pick by the compiled programs (a module factory: "
                       "compile its K best by estimate)")
@@ -99,7 +99,7 @@ def train_parser(prog: str = "shardlab plan train") -> argparse.ArgumentParser:
                  help="with a module factory --model: NAME(size), the batch's arrays or "
                       "jax.ShapeDtypeStructs for --global-batch sequences, a name in its file "
                       "or module:function")
-  p.add_argument("--compile-budget-s", type=Float(gt=0), default=600.0, metavar="S",
+  p.add_argument("--compile-budget-s", type=plan_auto.BUDGET_S, default=600.0, metavar="S",
                  help="with --search --compile: start no compile after S seconds; %(type)s")
   return p
 

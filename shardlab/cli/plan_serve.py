@@ -7,7 +7,6 @@ import json
 import sys
 
 from shardlab import generate
-from shardlab.bounds import Int
 from shardlab.cli.args import DefaultsHelp
 from shardlab.errors import ConfigError
 from shardlab.models import registry
@@ -30,20 +29,19 @@ def parser(prog: str = "shardlab plan serve") -> argparse.ArgumentParser:
              "--batch 32 --context 8192 --weights int8")
   p.add_argument("--model", default="llama3-70b", help="preset name or TOML model file")
   p.add_argument("--target", default="h100-80g", help=" | ".join(hardware.names()))
-  count = Int(min=1)
-  p.add_argument("--batch", type=count, default=1, help="sequences decoded together; %(type)s")
-  p.add_argument("--context", type=count,
+  p.add_argument("--batch", type=inf.BOUNDS["batch"], default=1, help="sequences decoded together; %(type)s")
+  p.add_argument("--context", type=inf.BOUNDS["context"],
                  help="tokens per sequence the cache holds (prompt + generated; %(type)s); "
                       "unset: the model's max_seq_len (llama3-70b: 8192), the most generate "
                       "runs, and so the most this takes")
   p.add_argument("--weights", default="bf16", help=" | ".join(inf.WEIGHT_BYTES))
   p.add_argument("--kv-dtype", default="bf16", help=" | ".join(inf.KV_BYTES))
-  p.add_argument("--prefill-batch", type=count, default=1,
+  p.add_argument("--prefill-batch", type=inf.BOUNDS["prefill_batch"], default=1,
                  help="sequences prefilled at once per replica (%(type)s; generate prefills "
                       "all its prompts of one length at once)")
-  p.add_argument("--prefill-chunk", type=count, default=inf.PREFILL_CHUNK,
+  p.add_argument("--prefill-chunk", type=inf.BOUNDS["prefill_chunk"], default=inf.PREFILL_CHUNK,
                  help="prompt tokens per prefill call (generate --prefill-chunk; %(type)s)")
-  p.add_argument("--devices", type=count,
+  p.add_argument("--devices", type=inf.BOUNDS["devices"],
                  help="plan the fastest layout of this many devices (%(type)s)")
   p.add_argument("--mesh", help="a layout, e.g. 'tensor:8,stage:2' or 'data:2,tensor:4' "
                                 "(unset: the fewest devices that fit)")

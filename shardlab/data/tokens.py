@@ -20,6 +20,8 @@ from typing import Iterator
 
 import numpy as np
 
+from shardlab.bounds import Int
+from shardlab.config import BOUNDS
 from shardlab.errors import ConfigError
 from shardlab.data import outdir, prepared_check, sources, workers as workers_lib
 from shardlab.data import tokenizer as tokenizer_lib
@@ -27,6 +29,9 @@ from shardlab.data import tokenizer as tokenizer_lib
 INDEX = outdir.INDEX
 SPLITS = ("train", "held_out")
 TOKEN_FILES = (".bin", ".npy")
+# prepare()'s ranges, which `data prepare --workers/--shard-tokens` parse with.
+WORKERS = Int(min=0, note="0: one per core")
+SHARD_TOKENS = Int(min=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,10 +134,10 @@ def prepare(source: str, out: str | Path, tokenizer_spec: str, text_field: str =
   replaced); returns the index. The index is written last (outdir.py): until then `out`
   is an unfinished prepare, and after a failure (not an interruption) it is removed."""
   out = Path(out)
-  for name, value, low in (("--workers", workers, 0), ("--shard-tokens", shard_tokens, 1),
-                           ("--max-bytes", 1 if max_bytes is None else max_bytes, 1)):
-    if value < low:  # 0 workers: one per core; no --max-bytes: all the text
-      raise ConfigError(f"{name} must be >= {low}, got {value}")
+  WORKERS.check(workers, "--workers")
+  SHARD_TOKENS.check(shard_tokens, "--shard-tokens")
+  if max_bytes is not None:  # None: all the text
+    BOUNDS["data.max_bytes"].check(max_bytes, "--max-bytes")
   tok = tokenizer_lib.load(tokenizer_spec)  # settings checked before `out` is touched
   docs = sources.documents(source, text_field, max_bytes, stdlib_files)
   outdir.claim(out, overwrite, _command(source, out, tokenizer_spec, text_field,

@@ -21,6 +21,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+from shardlab.bounds import Float, Int
 from shardlab.errors import ConfigError
 from shardlab.observe import xla_log
 from shardlab.observe.step_report import StepReport
@@ -33,6 +34,9 @@ from shardlab.sharding import mesh as mesh_lib
 from shardlab.sharding import rules as rules_lib
 from shardlab.runtime.units import size
 
+# choose()'s search bounds, which --auto-top and --auto-budget-s (and plan --compile-top,
+# --compile-budget-s) parse with.
+TOP_K, BUDGET_S = Int(min=1), Float(gt=0)
 MAX_MICROBATCH_OPTIONS = 6  # 1, 2, 4, ... : more only lengthens the formula's list
 
 
@@ -174,9 +178,8 @@ def choose(req: Request, model, acc: hardware.Accelerator, n: int,
            found: list | None = None) -> Choice:
   """Ranks by formula, compiles in that order (`compile_fn`), picks by the compiled
   programs. `backend` is where compile_fn compiles ("cpu", "tpu", "gpu")."""
-  if top_k < 1 or budget_s <= 0:
-    raise ConfigError(f"auto layout: top K must be >= 1 and the budget > 0 s, got K={top_k}, "
-                      f"budget {budget_s} s")
+  TOP_K.check(top_k, "auto layout: top K (--auto-top)")
+  BUDGET_S.check(budget_s, "auto layout: the compile budget in seconds (--auto-budget-s)")
   cands = options(req, model, acc, n, strategy, mesh, memory_options, vary_microbatches,
                   found)
   if not cands:

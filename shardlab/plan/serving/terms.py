@@ -24,6 +24,7 @@ import math
 import jax
 
 from shardlab import config as config_lib
+from shardlab.bounds import Int
 from shardlab.errors import ConfigError, unknown
 from shardlab.models import protocol
 from shardlab.plan.training import estimate as plan_estimate
@@ -45,6 +46,11 @@ ACTIVATION_BYTES = 2  # the residual stream the tensor-parallel all-reduces carr
 PREFILL_CHUNK = 512  # prompt tokens per prefill call: shardlab.generate's default
 
 
+# Each count's range: Request's check and `plan serve`'s options (--batch, ...) read it.
+BOUNDS = {f: Int(min=1) for f in ("batch", "context", "prefill_batch", "prefill_chunk",
+                                   "devices")}
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
   model: str = "llama3-70b"
@@ -59,10 +65,13 @@ class Request:
   mesh: str | None = None  # e.g. "tensor:8,stage:2"; data, tensor and stage only
 
   def __post_init__(self):
-    for f in ("batch", "context", "prefill_batch", "prefill_chunk"):
-      if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
-        raise ConfigError(f"inference {f} must be a positive integer, got "
-                          f"{getattr(self, f)!r}")
+    for f, bound in BOUNDS.items():
+      value = getattr(self, f)
+      if value is None and f == "devices":
+        continue
+      if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"inference {f} must be an integer {bound}, got {value!r}")
+      bound.check(value, f"inference {f}")
     if self.weights not in WEIGHT_BYTES:
       raise unknown("weights dtype (--weights)", self.weights, WEIGHT_BYTES)
     if self.kv_dtype not in KV_BYTES:
@@ -70,8 +79,6 @@ class Request:
     if self.prefill_batch > self.batch:
       raise ConfigError(f"prefill_batch ({self.prefill_batch}) cannot exceed batch "
                         f"({self.batch})")
-    if self.devices is not None and self.devices < 1:
-      raise ConfigError(f"devices must be >= 1, got {self.devices}")
 
 
 @dataclasses.dataclass(frozen=True)
