@@ -28,7 +28,7 @@ from shardlab.errors import ConfigError
 from shardlab.models import registry
 from shardlab.observe import step_report
 from shardlab.observe.step_report import StepReport
-from shardlab.runtime import jax_compat
+from shardlab.runtime import devices as devices_lib, jax_compat
 from shardlab.training import run as run_lib
 from shardlab.training import state as state_lib
 
@@ -170,7 +170,8 @@ def main(argv=None) -> int:
   import argparse
   p = argparse.ArgumentParser(prog="python -m shardlab.plan.compiled.aot")
   p.add_argument("--json", required=True, help="the Config, as dataclasses.asdict JSON")
-  p.add_argument("--devices", type=int, required=True)
+  p.add_argument("--devices", type=devices_lib.SIMULATED, required=True,
+                 help="simulated CPU devices to compile for (%(type)s)")
   args = p.parse_args(argv)
   try:
     cfg = _config_from_json(args.json)
