@@ -159,3 +159,23 @@ def test_out_of_range_settings_are_refused_before_anything_is_written(tmp_path, 
   with pytest.raises(ConfigError, match=f"{flag} must be >= {int(flag != '--workers')}"):
     tokens.prepare(str(tmp_path / "c.txt"), out, "bytes", **kw)
   assert not out.exists()
+
+
+def test_a_shard_changed_under_a_run_is_an_error_naming_it(tmp_path):
+  """Shards are memory-mapped: one truncated under a running run killed it with SIGBUS and
+  no message. Each batch checks the files it reads are as mapped (grown here: a truncation
+  would kill this test's process were the check off)."""
+  source, out = tmp_path / "c.jsonl", tmp_path / "prepared"
+  source.write_text("".join(json.dumps({"text": f"document {i}: " + "some text " * 30}) + "\n"
+                            for i in range(50)))
+  tokens.prepare(str(source), out, "bytes", held_out_fraction=0.1, workers=1)
+  packed = feed.PackedFeed(config.DataConfig(corpus=str(out)), 0, 4, 32)
+  packed.host(0, (0, 4))
+  (shard,) = [p for p in out.glob("train-*.npy") if not p.name.endswith(".docs.npy")]
+  with open(shard, "ab") as f:
+    f.write(bytes(64))
+  with pytest.raises(ConfigError, match=f"{shard} changed while this run reads it"):
+    packed.host(4, (0, 4))
+  shard.unlink()
+  with pytest.raises(ConfigError, match=f"{shard} went away while this run reads it"):
+    packed.host(8, (0, 4))

@@ -12,6 +12,7 @@ the loss skips targets across documents and padding (models/lm.py). Chat data's 
 
 import numpy as np
 
+from shardlab.data import prepared_check
 from shardlab.errors import ConfigError
 
 PAD_ID = 0
@@ -70,6 +71,9 @@ class Rows:
     self.n_tokens = int(self.lengths.sum())
     if len({s.loss_mask is None for s in shards}) > 1:
       raise ConfigError(f"the {what} split mixes shards with and without a loss mask")
+    # Each shard's files as mapped: a batch checks the ones it reads are still so.
+    self.files = [[prepared_check.file_state(a) for a in (s.tokens, s.loss_mask)
+                   if a is not None] for s in shards]
 
   def __len__(self) -> int:
     return len(self.starts)
@@ -77,6 +81,9 @@ class Rows:
   def batch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
     """{"tokens", "segment_ids", "positions"} (and "loss_mask" for chat data): int32
     len(indices) × row_len."""
+    for shard in np.unique(self.shard_of[indices]):
+      for state in self.files[shard]:
+        prepared_check.unchanged(state)
     parts = [row(self.shards[self.shard_of[i]].tokens, self.shards[self.shard_of[i]].doc_starts,
                  int(self.starts[i]), int(self.lengths[i]), self.row_len) for i in indices]
     names = ("tokens", "segment_ids", "positions")

@@ -4,6 +4,7 @@ arrays by dtype, shape and content. A damaged or hand-edited directory is a Conf
 naming the file, the field and what is valid, never a traceback or a run on garbage ids.
 """
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -101,3 +102,32 @@ def check_ids(tokens: np.ndarray, vocab_size: int, where) -> None:
     raise ConfigError(f"{where} holds token id {top}, outside the vocabulary of {vocab_size} "
                       f"ids (index.json's vocab_size); the directory is damaged: rerun "
                       f"shardlab data prepare")
+
+
+def file_state(array) -> tuple | None:
+  """(path, inode, size, modification time) of the file a memory-mapped array reads, or
+  None for an array in memory."""
+  path = getattr(array, "filename", None)
+  if path is None:
+    return None
+  st = os.stat(path)
+  return (path, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def unchanged(state: tuple | None) -> None:
+  """A memory-mapped shard must stay as it was mapped: truncated, the next read of a missing
+  page kills the process with SIGBUS and no message; rewritten, the run would train on other
+  data than it resumed with. Checked before each batch reads it (os.stat: microseconds)."""
+  if state is None:
+    return
+  path, inode, size, mtime = state
+  try:
+    now = os.stat(path)
+  except OSError as e:
+    raise ConfigError(f"{path} went away while this run reads it ({e.strerror}); a prepared "
+                      f"directory must stay as it is for the whole run") from None
+  if (now.st_ino, now.st_size, now.st_mtime_ns) != (inode, size, mtime):
+    raise ConfigError(f"{path} changed while this run reads it ({size:,} bytes when the run "
+                      f"mapped it, {now.st_size:,} now); a prepared directory must stay as it "
+                      f"is for the whole run: prepare into a new directory, and restart the "
+                      f"run (it resumes from its last checkpoint)")
