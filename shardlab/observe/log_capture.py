@@ -22,6 +22,9 @@ from pathlib import Path
 # ones Orbax's dependencies use directly; asyncio's, where Orbax's failed write tasks are
 # reported ("Task exception was never retrieved", with a traceback) when they are collected.
 LOGGERS = ("absl", "orbax", "jax", "etils", "tensorstore", "asyncio")
+# Kept on the file after the capture ends, for the rest of the process: Orbax's failed tasks
+# that its event loop still holds are reported at interpreter shutdown, after our last word.
+KEPT = ("asyncio",)
 _FORMAT = "%(asctime)s %(levelname)s %(name)s %(pathname)s:%(lineno)d] %(message)s"
 
 
@@ -110,6 +113,9 @@ class LibraryLogs:
       self.keep_in(run_dir)
 
   def __enter__(self) -> "LibraryLogs":
+    for name in KEPT:  # an earlier capture's handler, left attached
+      for handler in [h for h in logging.getLogger(name).handlers if isinstance(h, _Counting)]:
+        logging.getLogger(name).removeHandler(handler)
     for name in LOGGERS:
       logger = logging.getLogger(name)
       self._saved[name] = logger.propagate
@@ -126,6 +132,8 @@ class LibraryLogs:
     if isinstance(sys.stderr, _ForeignThreadsToLog):
       sys.stderr = self._stderr
     for name, propagate in self._saved.items():
+      if name in KEPT:  # left attached: see KEPT
+        continue
       logger = logging.getLogger(name)
       logger.removeHandler(self._handler)
       logger.propagate = propagate
