@@ -25,6 +25,11 @@ if not os.environ.get(cache.DIR_ENV):
   cache.enable(_JAX_CACHE)
   atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)
 
+# The processes the suite starts (train.py, shardlab) skip their restart for huge pages: each
+# costs a second interpreter start, and the suite's tiny programs gain nothing from it
+# (tests/test_host_memory.py runs the restart itself, with this variable removed).
+os.environ.setdefault("SHARDLAB_HUGE_PAGES", "0")
+
 # The host's CPU peak (observe/throughput.py) is kept in a cache file: the suite keeps its own,
 # so it neither reads nor raises the one in the user's home.
 os.environ.setdefault("SHARDLAB_CACHE_DIR", tempfile.mkdtemp(prefix="shardlab-test-cache-"))
