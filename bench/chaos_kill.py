@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from chaos_scenarios import ROOT, Scenario, env
+from shardlab.training.checkpoint_disk import saved_steps as committed  # Orbax's committed steps
 
 POLL_S = 0.01
 # No restart of each command for huge pages (runtime/host_memory.py): it imports everything
@@ -80,12 +81,6 @@ def logged(proc: Proc, pattern: str):
   """A test that `pattern` begins a line of the log (of rank 0's, under the launcher)."""
   regex = re.compile(rf"^(\[0\] )?{pattern}", re.M)
   return lambda: bool(regex.search(proc.text()))
-
-
-def committed(ckpt: Path) -> list[int]:
-  """The checkpoint steps Orbax has committed (renamed from their temporary names)."""
-  return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.is_dir() \
-      else []
 
 
 def saving(ckpt: Path, after: int):
