@@ -8,6 +8,7 @@ import re
 import signal
 import socket
 import subprocess
+import textwrap
 import time
 from pathlib import Path
 
@@ -110,6 +111,36 @@ def test_an_error_on_one_process_stops_the_other_naming_it(tmp_path, ranks):
   assert ranks[0].exit_code(timeout=60) == 4, ranks[0].text()
   assert ("error: process 1 of 2 failed (error: --checkpoint-dir '/proc/nowhere/ckpt' cannot "
           "be created") in ranks[0].text()
+
+
+# Process 1 is told of process 0's failure while its step compiles: fd 2 then points at the
+# file that reads XLA's log (xla_log.captured), and the watchdog's message must still reach
+# the console before os._exit (the run above lost it when process 0 was compiling).
+_TOLD_WHILE_COMPILING = textwrap.dedent("""
+  import time
+  from shardlab.observe import xla_log
+  from shardlab.runtime import watchdog
+
+  class Store:  # the coordination service's key-value store, process 0's failure in it
+    kv = {watchdog.PREFIX + "failed/0": "error: disk full"}
+    def key_value_set(self, key, value, allow_overwrite=False):
+      self.kv[key] = value
+    def key_value_dir_get(self, prefix):
+      return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
+
+  dog = watchdog.Watchdog(Store(), 1, 2, "127.0.0.1:1", timeout_s=30)
+  with xla_log.captured([], echo=False):
+    dog.start()
+    time.sleep(60)
+""")
+
+
+def test_a_peer_failure_during_a_compile_is_still_said():
+  done = subprocess.run([PY, "-c", _TOLD_WHILE_COMPILING], capture_output=True, text=True,
+                        env=env(), cwd=ROOT, timeout=60)
+  assert done.returncode == 4, done.stderr
+  assert "error: process 0 of 2 failed (error: disk full); stopping process 1 too" in \
+      done.stderr, done.stderr
 
 
 def _children(pid: int) -> list[int]:

@@ -44,6 +44,9 @@ class Watchdog:
     self._finishing = False  # this process is done and waits for the others
     self._host = socket.gethostname()
     self._link = None  # the connection to process 0's liveness listener (False: none)
+    # The console as it is now: while a step compiles, fd 2 points at a file that reads
+    # XLA's C++ log (observe/xla_log.py), and a message written there is lost at os._exit.
+    self._console = os.dup(2)
     self._thread = threading.Thread(target=self._run, name="shardlab-watchdog", daemon=True)
 
   def start(self) -> "Watchdog":
@@ -126,7 +129,8 @@ class Watchdog:
       return
     what = (f"process {self.rank} had finished its part" if self._finishing else
             f"stopping process {self.rank} too")
-    print(f"error: {problem}; {what} (exit {EXIT_CODE})", file=sys.stderr, flush=True)
+    sys.stderr.flush()
+    os.write(self._console, f"error: {problem}; {what} (exit {EXIT_CODE})\n".encode())
     self._publish("failed", f"stopped because {problem}")  # the rest learn it at once
     self._exit(EXIT_CODE)
 
