@@ -46,7 +46,14 @@ def test_a_failed_save_prints_two_lines_ending_in_our_error(tmp_path):
   log = (run_dir / "run.log").read_text()
   assert "Traceback" in log and "No space left on device" in log
   counted = sum(int(n) for n in re.findall(r"logged (\d+) lines?", note))
-  assert counted == len(log.splitlines())  # every line it wrote, counted
+  logged = log.splitlines()
+  # Every line written before the note is counted. Orbax's event loop may still hold failed
+  # write tasks, which asyncio reports when the interpreter shuts down, after the note
+  # (log_capture.KEPT): only such records may follow what it counted.
+  assert counted <= len(logged)
+  later = [line for line in logged[counted:] if line.startswith("20")]  # records' first lines
+  assert all(" ERROR asyncio " in line for line in later), later
+  assert not later or logged[counted] == later[0], logged[counted:counted + 3]
 
 
 def test_the_auto_search_says_a_candidate_s_rematerialisation_in_one_line(capfd):
