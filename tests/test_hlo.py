@@ -371,3 +371,26 @@ def test_an_instruction_spanning_lines_does_not_end_its_computation():
   assert sum(len(c) for c in computations.values()) == len(lines)
   per_device = 8 // 4 * 512 * 4 // 2  # rows of (b, l, h) on one device
   assert hlo_flops.dot_flops(text) == 2 * per_device * 128 * 256
+
+
+def test_estimated_cycles_count_a_loop_body_once_per_trip():
+  """XLA:TPU's per-instruction estimates summed over a step: a scan of n identical matmul
+  layers costs a + n·b, so going from 4 to 8 layers adds twice what going from 2 to 4 did
+  (compiled.cost_analysis() counts the body once, whatever n). XLA:CPU writes no estimate."""
+  from shardlab.observe import hlo_cycles
+  from shardlab.plan.compiled import aot
+  mesh = Mesh(np.array(_tpu_devices()).reshape(8), ("data",))
+
+  def program(n: int, on) -> str:
+    x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=NamedSharding(on, P("data")))
+    w = jax.ShapeDtypeStruct((n, 512, 512), jnp.bfloat16, sharding=NamedSharding(on, P()))
+    layer = lambda x, w: (jnp.tanh(x @ w), None)
+    with aot._compile_only(on.devices.flat[0].platform):
+      return jax.jit(lambda x, ws: jax.lax.scan(layer, x, ws)[0].sum()).lower(x, w) \
+          .compile().as_text()
+
+  c2, c4, c8 = (hlo_cycles.estimated_cycles(program(n, mesh)) for n in (2, 4, 8))
+  assert 0 < c2 < c4 < c8
+  assert c8 - c4 == 2 * (c4 - c2), (c2, c4, c8)
+  cpu = Mesh(np.array(jax.devices()[:8]).reshape(8), ("data",))
+  assert hlo_cycles.estimated_cycles(program(4, cpu)) == 0
