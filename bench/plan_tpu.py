@@ -104,15 +104,13 @@ def with_maxtext(r: dict, name: str, per_chip: int, overrides) -> dict:
   theirs = maxtext_tpu.compile_recipe(topology, maxtext_keys(name, per_chip, overrides))
   chip = CONFIGS[name][1].removeprefix("tpu-")
   r["maxtext"] = {**theirs, "gib": theirs["total_bytes"] / GiB,
-                  "compute_s": theirs["cycles"] and hlo_cycles.seconds(theirs["cycles"], chip)}
+                  "compute_s": hlo_cycles.seconds(theirs["cycles"], chip)}
   r["memory_vs_maxtext"] = r["compiled_gib"] / r["maxtext"]["gib"]
   r["compute_vs_maxtext"] = r["cycles"] / theirs["cycles"] if theirs["cycles"] else None
   return r
 
 
-def _compute(cycles: int | None, seconds: float | None) -> str:
-  if cycles is None:
-    return "n/a (no dump of MaxText's program: bench/maxtext_tpu.py)"
+def _compute(cycles: int, seconds: float | None) -> str:
   return f"{seconds:.3f} s" if seconds is not None else f"{cycles / 1e9:.2f} Gcycles"
 
 

@@ -57,36 +57,24 @@ _ASYNC = re.compile(r" ((?:all-gather|all-reduce|reduce-scatter|collective-permu
 def _compile(target: str, chips: int, layers: int) -> dict:
   """This process's compile (LIBTPU_INIT_ARGS as set): the program's fingerprint, its async
   collectives, cycles and bytes per chip."""
-  import jax
   from shardlab import config
-  from shardlab.observe import hlo_cycles
+  from shardlab.observe import step_report
   from shardlab.plan.compiled import aot
   from shardlab.plan.compiled import train_step as plan_compile
   from shardlab.plan.training import planner as plan
-  from shardlab.training import run as run_lib
-  from shardlab.training import state as state_lib
   req = plan.Request.of(model="llama2-7b", precision="bf16", global_batch=chips, seq_len=2048,
                         remat="full", strategy="fsdp", devices=chips, target=target)
   cfg = config.apply_overrides(plan_compile.run_config(req, plan_compile._spec(req)),
                                [f"model.n_layers={layers}"])
   devices, _ = aot.tpu_devices(plan.hardware.get(target).topology, chips)
-  p = run_lib.place(cfg, devices, offload=True)
-  step = run_lib.make_steps(cfg, p.abstract, p.shardings)[0]
-  state = state_lib.placed(p.abstract.state, p.shardings.state)
-  batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                                      sharding=p.shardings.batch),
-                       run_lib.abstract_batch(cfg, p.shardings))
-  with aot._compile_only("tpu"):
-    compiled = step.lower(state, batch).compile()
+  compiled, mesh, _ = aot.compiled_step(cfg, devices)
+  report = step_report.report(compiled, mesh, flops=True)
   text = compiled.as_text()
   body = "\n".join(_NAME.sub("%", _NOISE.sub("", line)) for line in text.splitlines()
                    if not line.startswith("HloModule"))
-  mem = compiled.memory_analysis()
   return {"fingerprint": hashlib.sha256(body.encode()).hexdigest()[:12],
           "async": dict(collections.Counter(a or b for a, b in _ASYNC.findall(text))),
-          "cycles": hlo_cycles.estimated_cycles(text),
-          "bytes": mem.argument_size_in_bytes + mem.output_size_in_bytes
-                   - mem.alias_size_in_bytes + mem.temp_size_in_bytes}
+          "cycles": report.cycles, "bytes": report.total_bytes}
 
 
 def _in_process(flag: str, args) -> dict:

@@ -31,10 +31,11 @@ def estimated_cycles(text: str) -> int:
   another backend (XLA:CPU and XLA:GPU write no estimate)."""
   if "estimated_cycles" not in text:
     return 0
-  computations, entry = hlo_text.parse(text)
-  if entry is None:
-    raise ValueError("no ENTRY computation in the HLO text")
-  runs = hlo_text.executions(computations, entry)
+  return cycles_of(*hlo_text.with_runs(text))
+
+
+def cycles_of(computations: dict, runs: dict) -> int:
+  """`estimated_cycles` of a program already read (`hlo_text.with_runs`)."""
   total = 0
   for name, instrs in computations.items():
     for instr in instrs if runs.get(name) else ():

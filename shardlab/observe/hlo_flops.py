@@ -12,6 +12,7 @@ import math
 import re
 
 from shardlab.observe import hlo
+from shardlab.observe.hlo_text import with_runs
 
 _CONTRACTING = re.compile(r"\blhs_contracting_dims=\{([\d,]*)\}")
 _WINDOW = re.compile(r"\bwindow=\{([^}]*)\}")
@@ -75,10 +76,11 @@ def _elements(instr: hlo.Instruction) -> int:
 
 def dot_flops(hlo_text: str) -> float:
   """2 × multiply-adds of every dot and convolution, times its executions per step."""
-  computations, entry = hlo.parse(hlo_text)
-  if entry is None:
-    raise ValueError("no ENTRY computation in the HLO text")
-  runs = hlo.executions(computations, entry)
+  return flops_of(*with_runs(hlo_text))
+
+
+def flops_of(computations: dict, runs: dict) -> float:
+  """`dot_flops` of a program already read (`hlo_text.with_runs`)."""
   total = 0.0
   for name, instrs in computations.items():
     if not runs.get(name):

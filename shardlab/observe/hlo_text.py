@@ -146,6 +146,14 @@ def _callees(instr: Instruction, computations: dict) -> list[tuple[str, int]]:
   return out
 
 
+def with_runs(hlo_text: str) -> tuple[dict[str, list[Instruction]], dict[str, int]]:
+  """A program's computations and how many times each runs per step (`executions`)."""
+  computations, entry = parse(hlo_text)
+  if entry is None:
+    raise ValueError("no ENTRY computation in the HLO text")
+  return computations, executions(computations, entry)
+
+
 def executions(computations: dict, entry: str) -> dict[str, int]:
   """How many times each computation runs per execution of the entry computation."""
   # Topological order over the call graph (a DAG), then push counts down.

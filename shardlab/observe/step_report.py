@@ -11,7 +11,7 @@ import dataclasses
 
 from jax.sharding import Mesh
 
-from shardlab.observe import hlo, hlo_cycles, hlo_flops, hlo_groups
+from shardlab.observe import hlo, hlo_cycles, hlo_flops, hlo_groups, hlo_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +41,7 @@ class StepReport:
   n_devices: int = 0
   compile_s: float = 0.0
   flops: float = 0.0  # matmul FLOPs per device per step, loops unrolled (observe.hlo_flops)
-  cycles: int = 0  # XLA:TPU's estimated compute cycles per step (observe.hlo_cycles); 0 elsewhere
+  cycles: int = 0  # XLA:TPU's estimated cycles per step (observe.hlo_cycles); 0 elsewhere
 
   @property
   def total_bytes(self) -> int:
@@ -80,9 +80,10 @@ class StepReport:
 def report(compiled, mesh: Mesh, where: str = "", compile_s: float = 0.0,
            flops: bool = False) -> StepReport:
   """The report of a compiled (jit(...).lower(...).compile()) step over `mesh`; `flops`
-  also counts its matmul FLOPs (observe.hlo_flops: a second walk of the HLO) and, for a TPU
-  program, the compiler's estimated cycles (observe.hlo_cycles)."""
+  also counts its matmul FLOPs (observe.hlo_flops) and, for a TPU program, the compiler's
+  estimated cycles (observe.hlo_cycles), from one more reading of the HLO."""
   text = compiled.as_text()
+  program = hlo_text.with_runs(text) if flops else None
   stats = hlo.collectives(text,
                           label=lambda op: ",".join(hlo_groups.mesh_axes(op.groups, mesh)))
   rows = [CollectiveRow(kind, axes, c.count, c.bytes, c.ops)
@@ -96,8 +97,8 @@ def report(compiled, mesh: Mesh, where: str = "", compile_s: float = 0.0,
                     get("host_argument_size_in_bytes") + get("host_output_size_in_bytes") -
                     get("host_alias_size_in_bytes") + get("host_temp_size_in_bytes"),
                     where or f"{mesh.devices.flat[0].platform} x{mesh.size}", mesh.size,
-                    compile_s, hlo_flops.dot_flops(text) if flops else 0.0,
-                    hlo_cycles.estimated_cycles(text) if flops else 0)
+                    compile_s, hlo_flops.flops_of(*program) if flops else 0.0,
+                    hlo_cycles.cycles_of(*program) if flops else 0)
 
 
 def bytes_text(n: float) -> str:

@@ -46,7 +46,10 @@ class Watchdog:
     self._link = None  # the connection to process 0's liveness listener (False: none)
     # The console as it is now: while a step compiles, fd 2 points at a file that reads
     # XLA's C++ log (observe/xla_log.py), and a message written there is lost at os._exit.
-    self._console = os.dup(2)
+    try:
+      self._console = os.dup(2)
+    except OSError:  # no fd 2 at all: nothing to say it on
+      self._console = None
     self._thread = threading.Thread(target=self._run, name="shardlab-watchdog", daemon=True)
 
   def start(self) -> "Watchdog":
@@ -130,7 +133,8 @@ class Watchdog:
     what = (f"process {self.rank} had finished its part" if self._finishing else
             f"stopping process {self.rank} too")
     sys.stderr.flush()
-    os.write(self._console, f"error: {problem}; {what} (exit {EXIT_CODE})\n".encode())
+    if self._console is not None:
+      os.write(self._console, f"error: {problem}; {what} (exit {EXIT_CODE})\n".encode())
     self._publish("failed", f"stopped because {problem}")  # the rest learn it at once
     self._exit(EXIT_CODE)
 

@@ -82,13 +82,21 @@ def tpu_devices(prefix: str, n_chips: int, num_slices: int = 1):
 def compile_step(cfg: Config, devices, where: str, dump: str | None = None) -> StepReport:
   """Lowers and compiles the train step over `devices` with abstract, sharded inputs; `dump`:
   a folder for XLA's dumps (`compile_train_step`)."""
+  compiled, mesh, seconds = compiled_step(cfg, devices, dump)
+  return step_report.report(compiled, mesh, where, seconds, flops=True)
+
+
+def compiled_step(cfg: Config, devices, dump: str | None = None):
+  """(the compiled train step of `cfg` over `devices`, its mesh, the compile's seconds): for
+  a caller that reads the program itself."""
   if cfg.train.precision == "auto":
     raise ConfigError("train.precision must be explicit for an AOT compile (not 'auto', "
                       "which depends on the backend this process runs on)")
   p = run_lib.place(cfg, devices, offload=True)
   train_step = run_lib.make_steps(cfg, p.abstract, p.shardings)[0]
-  return compile_train_step(train_step, p.abstract, p.shardings,
-                            run_lib.abstract_batch(cfg, p.shardings), where, dump)
+  compiled, seconds = _compiled(train_step, p.abstract, p.shardings,
+                                run_lib.abstract_batch(cfg, p.shardings), dump)
+  return compiled, p.shardings.mesh, seconds
 
 
 def compile_train_step(train_step, abstract: state_lib.Abstract,
@@ -100,6 +108,12 @@ def compile_train_step(train_step, abstract: state_lib.Abstract,
   nothing allocated. With `dump`, XLA writes its programs and buffer assignment there (for a
   TPU too): `*memory-usage-report.txt` lists the largest buffers, `*live-range.txt` ends
   with what is live at the peak."""
+  compiled, seconds = _compiled(train_step, abstract, shardings, batch, dump)
+  return step_report.report(compiled, shardings.mesh, where, seconds, flops=True)
+
+
+def _compiled(train_step, abstract: state_lib.Abstract, shardings: state_lib.Shardings,
+              batch, dump: str | None):
   state = state_lib.placed(abstract.state, shardings.state)
   batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                       sharding=shardings.batch), batch)
@@ -108,8 +122,7 @@ def compile_train_step(train_step, abstract: state_lib.Abstract,
   with _compile_only(devices[0].platform):
     compiled = train_step.lower(state, batch).compile(
         {"xla_dump_to": str(dump)} if dump else None)
-  return step_report.report(compiled, shardings.mesh, where, time.perf_counter() - start,
-                            flops=True)
+  return compiled, time.perf_counter() - start
 
 
 def compile_on_cpu(cfg: Config, n_devices: int) -> StepReport:
