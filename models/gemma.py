@@ -110,8 +110,7 @@ class GeGLU(llama.MLP):
     return self.project("down", h_BxLxF, w_down)
 
   def project(self, target: str, x, weight):
-    return parallel.lora_project(llama.LORA_SPECS[target], x, weight,
-                                 getattr(self, parallel.LORA_PREFIX + target, None))
+    return parallel.lora_project_target(llama.LORA_SPECS, self, target, x, weight)
 
 
 class GemmaBlock(nnx.Module):

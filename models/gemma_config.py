@@ -42,6 +42,9 @@ class Gemma2Config(LlamaConfig):
   # compute-dtype d-sized norm inputs and outputs a layer (four norms), not four.
   saved_activations = {"d": (0, 6), "q": (0, 2), "kv": (0, 2), "scores": (0, 1),
                        "mlp": (0, 3)}
+  # The post-attention and post-MLP norms read both output projections, down's (mlpwo) too.
+  saved_matmul_outputs = {"d": 2, "q": 1, "kv": 2, "mlp": 2}
+  saved_projections = LlamaConfig.saved_projections | {"mlpwo": "d"}
 
   # The planner's (models/protocol.py): the scan runs one period of the pattern a step
   # (gemma.scan_pattern); the soft-cap's backward recomputes the fp32 scores

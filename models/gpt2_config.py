@@ -42,6 +42,9 @@ class GPT2Config:
   saved_activations = {"d": (6, 2), "q": (0, 2), "kv": (0, 2), "scores": (0, 1),
                        "mlp": (0, 6)}
   saved_matmul_outputs = {"d": 1, "q": 1, "kv": 2, "mlp": 1}
+  # As LlamaConfig's; the MLP's one input projection is its "up" (mlpwi_1).
+  saved_projections = {"query_proj": "q", "key_proj": "kv", "value_proj": "kv",
+                       "out_proj": "d", "mlpwi_1": "mlp"}
   # The projections LoRA can adapt (lora.targets; llama's names, no gate), and their weights.
   lora_targets = tuple(gpt2.LORA_WEIGHTS)
   lora_weights = gpt2.LORA_WEIGHTS

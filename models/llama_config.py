@@ -60,6 +60,11 @@ class LlamaConfig:
   saved_activations = {"d": (0, 4), "q": (0, 2), "kv": (0, 2), "scores": (0, 1),
                        "mlp": (0, 3)}
   saved_matmul_outputs = {"d": 1, "q": 1, "kv": 2, "mlp": 2}
+  # At a named remat policy (shardlab/remat.py): the projections whose kept output the
+  # backward reads, by shape. It never reads the down-projection's (mlpwo): a policy that
+  # names it keeps nothing more (jax.ad_checkpoint.saved_residuals of this model).
+  saved_projections = {"query_proj": "q", "key_proj": "kv", "value_proj": "kv",
+                       "out_proj": "d", "mlpwi_0": "mlp", "mlpwi_1": "mlp"}
   # The projections LoRA can adapt (lora.targets), and the weight each one adapts.
   lora_targets = tuple(llama.LORA_WEIGHTS)
   lora_weights = llama.LORA_WEIGHTS

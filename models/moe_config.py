@@ -68,9 +68,12 @@ class MoEConfig(LlamaConfig):
     return {"d": (0, 4 + 4 * rows + k), "q": (0, 2), "kv": (0, 2), "scores": (0, 1),
             "mlp": (0, 3 * rows)}
 
-  @property
-  def saved_matmul_outputs(self) -> dict:
-    return {"d": 1, "q": 1, "kv": 2, "mlp": 2 * self.experts_per_token}
+  # The experts' matmuls are batched over the experts and carry no names: no remat policy
+  # keeps them, only attention's projections (and the router's fp32 B×L×E logits, which
+  # the planner leaves out).
+  saved_matmul_outputs = {"d": 1, "q": 1, "kv": 2}
+  saved_projections = {"query_proj": "q", "key_proj": "kv", "value_proj": "kv",
+                       "out_proj": "d"}
 
   def make(self, rngs: nnx.Rngs, param_dtype, remat: str = "none", lora=None,
            unroll: int = 1) -> moe.MoE:

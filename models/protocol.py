@@ -87,6 +87,9 @@ OPTIONAL = {
     "saved_activations": _planner("what autodiff saves per layer, by shape: the planner's "
                                   "activation memory at every remat"),
     "saved_matmul_outputs": _planner("the matmul outputs kept at remat save-matmul-outputs"),
+    "saved_projections": _planner("{checkpoint name: shape} of the named projection outputs "
+                                  "a layer's backward reads when a named remat policy keeps "
+                                  "them (shardlab/remat.py)"),
     "n_experts": OptionalMember("experts per layer: the model is a mixture of experts, and "
                                 "gives every member of EXPERTS",
                                 "a dense model: no expert weights, no dispatch all-to-all"),

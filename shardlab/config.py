@@ -10,6 +10,7 @@ import types
 import typing
 from typing import Any
 
+from shardlab import remat as remat_policies
 from shardlab.bounds import Float, Int, check_fields
 from shardlab.errors import ConfigError, finite, unknown
 
@@ -74,7 +75,7 @@ class TrainConfig:
     choices = {"optimizer": ("adamw", "adafactor", "sgd"),
                "precision": ("auto", "fp32", "bf16", "bf16-params"),
                "grad_dtype": ("auto", "fp32", "bf16"), "offload": ("none", "opt_state"),
-               "remat": ("none", "full", "save-matmul-outputs", "offload"),
+               "remat": tuple(remat_policies.POLICIES),
                "nonfinite": ("stop", "skip"), "pipeline_schedule": ("gpipe", "1f1b")}
     for f, valid in choices.items():
       if getattr(self, f) not in valid:

@@ -8,6 +8,7 @@ import json
 import sys
 
 from shardlab import config as config_lib
+from shardlab import remat as remat_lib
 import shardlab.cli.plan_user as plan_user
 from shardlab.bounds import Int
 from shardlab.cli.args import DefaultsHelp, Given, given, run_command
@@ -47,7 +48,8 @@ def _add_request(p: argparse.ArgumentParser, devices_help: str = FEWEST,
                  default=t.global_batch, help="sequences per step; %(type)s")
   p.add_argument("--seq-len", type=config_lib.BOUNDS["train.seq_len"], default=t.seq_len,
                  help="tokens per sequence; %(type)s")
-  p.add_argument("--remat", default=t.remat, help="none | full | save-matmul-outputs | offload")
+  p.add_argument("--remat", default=t.remat,
+                 help=" | ".join(remat_lib.POLICIES) + " (docs/remat.md)")
   p.add_argument("--microbatches", type=config_lib.BOUNDS["train.microbatches"],
                  default=t.microbatches, help="gradient accumulation steps; %(type)s")
   p.add_argument("--strategy", default="fsdp", action=Given,

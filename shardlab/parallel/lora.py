@@ -17,8 +17,10 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 import shardlab.parallel.dot as dot
+from shardlab.remat import PROJECTION_NAMES
 from shardlab.sharding.params import stacked_param
 
 RANK_AXIS = "lora_rank"
@@ -91,8 +93,11 @@ def for_weight(specs: dict[str, str], lora, target: str, weight, dtype, rngs, st
 
 def project_target(specs: dict[str, str], module, target: str, x, weight):
   """`project` by `target`'s einsum in `specs`, with the adapter `module` holds for it (its
-  `lora_<target>`), if any."""
-  return project(specs[target], x, weight, getattr(module, PREFIX + target, None))
+  `lora_<target>`), if any. The output is named for remat policies by the target's role
+  (shardlab/remat.py: "q" is MaxText's query_proj, "gate" its mlpwi_0)."""
+  y = project(specs[target], x, weight, getattr(module, PREFIX + target, None))
+  name = PROJECTION_NAMES.get(target)
+  return y if name is None else checkpoint_name(y, name)
 
 
 def merged(w, a, b, scale: float):

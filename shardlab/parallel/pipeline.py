@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from shardlab import remat as remat_lib
 from shardlab.errors import ConfigError, unknown
 from shardlab.sharding import activations
 
@@ -105,10 +106,14 @@ def check_combination(n_stages: int, *, remat: str = "none", offload: str = "non
   where = f"a pipeline (stage {n_stages}: `layers` split over the `stage` mesh axis)"
   off = ("turn the pipeline off (a mesh without a `stage` axis above 1, or "
          "rules.params.layers=none and rules.activations.layers=none)")
-  if remat == "offload":  # XLA:CPU aborts compiling host transfers in the pipeline loop
-    raise ConfigError(f"train.remat=offload does not run in {where}: XLA aborts compiling "
-                      f"host transfers inside its loop; use train.remat=full (or none, "
-                      f"save-matmul-outputs) there, or {off}")
+  policy = remat_lib.POLICIES.get(remat)
+  if policy is not None and policy.on_host:  # XLA:CPU aborts compiling the loop's transfers
+    kept = [k for k, p in remat_lib.POLICIES.items()
+            if k != "full" and (p is None or not p.on_host)]
+    raise ConfigError(f"train.remat={remat} does not run in {where}: XLA aborts compiling "
+                      f"host transfers inside its loop; use train.remat=full there (or "
+                      f"another policy that keeps its residuals on the device: "
+                      f"{', '.join(kept)}), or {off}")
   if offload == "opt_state":  # XLA:CPU aborts compiling it (an invalid copy instruction)
     raise ConfigError(f"train.offload=opt_state does not run with {where}: XLA aborts "
                       f"compiling its host transfers there; use train.offload=none, or {off}")

@@ -16,25 +16,16 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
+from shardlab import remat as remat_lib
 from shardlab.errors import ConfigError, unknown
+from shardlab.remat import LAYER_INPUT
 import shardlab.parallel.context as context
 import shardlab.parallel.pipeline as pipeline
 from shardlab.sharding.activations import pipeline_schedule, step_context
 
-LAYER_INPUT = "layer_input"  # the checkpoint_name of a layer's input (remat "offload")
-
-REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    # Keep weight-matmul outputs, recompute the rest (norms, activations, attention).
-    "save-matmul-outputs": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    # Recompute like "full", but keep each layer's input in host memory instead of on the
-    # device: the layers × B×L×D stack that full remat holds is what dominates at large
-    # batches (MaxText's offloaded decoder_layer_input).
-    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT],
-        offload_src="device", offload_dst="pinned_host"),
-}
+# train.remat -> the policy jax.checkpoint takes (None: no jax.checkpoint at all); each is
+# described in shardlab/remat.py.
+REMAT_POLICIES = {k: None if p is None else p.jax_policy() for k, p in remat_lib.POLICIES.items()}
 
 # call(layer, x, args, slice) -> (x, new slice, stats or None)
 Call = Callable[[nnx.Module, jax.Array, tuple, object], tuple]

@@ -23,6 +23,7 @@ from shardlab.plan.training import state_bytes
 from shardlab.plan.training import step_time as plan_time
 from shardlab.plan.training.request import Request, train_config
 from shardlab.sharding import rules as rules_lib
+from shardlab import remat as remat_lib
 from shardlab.errors import ConfigError
 from shardlab.training import run as run_lib
 from shardlab.training import state as state_lib
@@ -34,7 +35,7 @@ STRATEGIES = tuple(rules_lib.STRATEGIES)
 # kept on the device (memory.layer_saved_bytes), those kept in host memory
 # (memory.offloaded_activation_bytes: Memory.host, and the host-transfer time), and the
 # forward work the backward pass runs again (comm.hardware_flops_per_token, step_time).
-REMAT_POLICIES = ("none", "full", "save-matmul-outputs", "offload")
+REMAT_POLICIES = tuple(remat_lib.POLICIES)
 
 
 @dataclasses.dataclass(frozen=True)

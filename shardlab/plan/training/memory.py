@@ -14,6 +14,7 @@ transients live at the step's peak as XLA's buffer assignment shows them (docs/p
 import dataclasses
 import math
 
+from shardlab import remat as remat_lib
 from shardlab.config import TrainConfig
 from shardlab.models import protocol
 from shardlab.parallel import flash as attention
@@ -137,25 +138,35 @@ def _saved_by_shape(a: ActivationShapes, p: int, m) -> dict[str, float]:
 
 
 def layer_saved_bytes(a: ActivationShapes, p: int, remat: str, m) -> float:
-  """Bytes one layer keeps for its backward pass, per microbatch, per device.
+  """Bytes one layer keeps on the device for its backward pass, per microbatch.
 
   remat none: what JAX's autodiff saves, as the model's config lists it (`saved_activations`,
     read off jax.ad_checkpoint.print_saved_residuals). In the bf16 policy the softmax keeps
     its fp32 exp and the bf16 probabilities (6 bytes a score, 8 in fp32); the masked scores
     are not kept (the mask alone is, once for all layers).
-  full: only the layer input (the scan carry). offload: nothing on the device (the input
-    is kept in host memory; `offloaded_activation_bytes`).
-  save-matmul-outputs: the layer input plus the weight-matmul outputs the backward pass reads
-    (`saved_matmul_outputs`); norms, activations and attention's einsums are recomputed.
+  Any other policy (shardlab/remat.py): the layer input (the scan carry; in host memory under
+    offload), and what the policy keeps on the device: save-matmul-outputs the weight-matmul
+    outputs the backward pass reads (`saved_matmul_outputs`), a named policy the named
+    projections the backward pass reads (`saved_projections`); norms, activations and
+    attention's einsums are recomputed. What a policy offloads is
+    `offloaded_activation_bytes`.
   """
-  if remat == "full":
-    return a.residual * p
-  if remat == "offload":  # the layer input too goes to the host
-    return 0.0
-  if remat == "save-matmul-outputs":
-    outs = protocol.get(m, "saved_matmul_outputs")
-    return a.residual * p + sum(getattr(a, k) * n * p for k, n in outs.items())
-  return sum(_saved_by_shape(a, p, m).values())
+  policy = remat_lib.POLICIES[remat]
+  if policy is None:
+    return sum(_saved_by_shape(a, p, m).values())
+  kept = _matmul_outputs(a, p, m) if policy.dots == "device" else 0.0
+  return _carry(a, p, remat) + kept + _projections(a, p, m, policy.saved)
+
+
+def _matmul_outputs(a: ActivationShapes, p: int, m) -> float:
+  outs = protocol.get(m, "saved_matmul_outputs")
+  return sum(getattr(a, k) * n * p for k, n in outs.items())
+
+
+def _projections(a: ActivationShapes, p: int, m, names) -> float:
+  """The named projection outputs among `names` that a layer's backward reads."""
+  table = protocol.get(m, "saved_projections") if set(names) - {remat_lib.LAYER_INPUT} else {}
+  return sum(getattr(a, table[n]) * p for n in names if n in table)
 
 
 def layer_backward_transient(a: ActivationShapes, p: int, remat: str, m,
@@ -201,8 +212,11 @@ def scan_step_layers(m) -> int:
 
 
 def _carry(a: ActivationShapes, p: int, remat: str) -> float:
-  """The scan carry (a step's input) that full or save-matmul-outputs remat keeps."""
-  return a.residual * p if remat in ("full", "save-matmul-outputs") else 0.0
+  """The scan carry (a step's input) that a remat policy keeps on the device (every one but
+  offload, which keeps it in host memory)."""
+  policy = remat_lib.POLICIES[remat]
+  on_device = policy is not None and remat_lib.LAYER_INPUT not in policy.offloaded
+  return a.residual * p if on_device else 0.0
 
 
 def stack_saved_bytes(a: ActivationShapes, p: int, remat: str, m) -> float:
@@ -233,9 +247,16 @@ def _attention_backward(a: ActivationShapes, p: int) -> float:
 
 
 def offloaded_activation_bytes(m, a: ActivationShapes, p: int, remat: str) -> float:
-  """Host bytes per device that remat "offload" keeps: every scan step's input."""
+  """Host bytes per device that a remat policy keeps in host memory: offload's every scan
+  step's input, qkv-proj-offloaded's projections and minimal-offloaded's matmul outputs
+  every layer."""
+  policy = remat_lib.POLICIES[remat]
+  if policy is None or not policy.on_host:
+    return 0.0
   steps = math.ceil(m.n_layers / scan_step_layers(m))
-  return steps * a.residual * p if remat == "offload" else 0.0
+  inputs = steps * a.residual * p if remat_lib.LAYER_INPUT in policy.offloaded else 0.0
+  per_layer = _matmul_outputs(a, p, m) if policy.dots == "host" else 0.0
+  return inputs + m.n_layers * (per_layer + _projections(a, p, m, policy.offloaded))
 
 
 def loss_transients(a: ActivationShapes, p: int, fp32_logits: int = 1) -> tuple[float, float]:

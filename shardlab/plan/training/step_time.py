@@ -75,8 +75,7 @@ def attention_flops_per_token(m, seq_len: int, remat: str) -> float:
   """Hardware FLOPs of attention's L×L einsums a token: forward 4·heads·head_dim·L a layer,
   backward twice that, the forward again where remat recomputes it."""
   forward = 4 * m.n_layers * m.n_heads * m.head_dim * seq_len
-  again = remat in plan_comm.RECOMPUTE_ALL or remat == "save-matmul-outputs"
-  return forward * (3 + (1 if again else 0))
+  return forward * (3 + (1 if remat != "none" else 0))  # every policy recomputes them
 
 
 def elementwise_bytes(a, p: int, layer_runs: float, remat: str) -> float:

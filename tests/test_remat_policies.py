@@ -1,0 +1,129 @@
+"""The layer scan's remat policies (shardlab/remat.py), MaxText's named ones included: each
+keeps what it names — read off the traced backward's residuals, for every dense family and
+a mixture of experts — the planner keeps the same bytes on the device and in host memory,
+and every policy computes the same gradients as no remat."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from shardlab import remat as remat_lib
+from shardlab.config import TrainConfig
+from shardlab.errors import ConfigError
+from shardlab.models import registry
+from shardlab.plan.training import comm as plan_comm
+from shardlab.plan.training import memory as plan_memory
+
+B, L = 2, 32
+FAMILIES = ("tiny", "gpt2-tiny", "gemma2-tiny", "gemma3-tiny", "qwen2-tiny", "phi3-tiny",
+            "moe-tiny")
+REMATTED = tuple(r for r in remat_lib.POLICIES if r != "none")
+
+
+def loss_fn(m, remat: str, abstract: bool = False):
+  make = lambda: m.make(nnx.Rngs(0), jnp.float32, remat)  # noqa: E731
+  graphdef, state = nnx.split(nnx.eval_shape(make) if abstract else make())
+  tokens = (jnp.arange(B * L, dtype=jnp.int32).reshape(B, L) * 7) % m.vocab_size
+
+  def loss(state):
+    return jnp.mean(nnx.merge(graphdef, state)(tokens).astype(jnp.float32) ** 2)
+  return loss, state
+
+
+def residual_bytes(m, remat: str) -> int:
+  """Bytes of every value the backward pass reads (jax.vjp's residuals, as
+  jax.ad_checkpoint.print_saved_residuals lists them), the device's and the host's."""
+  loss, state = loss_fn(m, remat, abstract=True)
+  _, (_, vjp) = jax.make_jaxpr(lambda s: jax.vjp(loss, s), return_shape=True)(state)
+  return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(vjp))
+
+
+def planned_bytes(m, remat: str) -> float:
+  """The planner's device (the layer stack's) plus host bytes, one device, fp32."""
+  d, q, kv = B * L * m.d_model, B * L * m.n_heads * m.head_dim, B * L * m.n_kv_heads * m.head_dim
+  a = plan_memory.ActivationShapes(d=d, residual=d, q=q, kv=kv, scores=B * m.n_heads * L * L,
+                                   mlp=B * L * m.mlp_dim, logits=0, tokens=0, positions=0)
+  return (plan_memory.stack_saved_bytes(a, 4, remat, m) +
+          plan_memory.offloaded_activation_bytes(m, a, 4, remat))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_policy_keeps_what_the_planner_says(family):
+  """Against full remat (the layer inputs alone), each policy's extra residuals are the
+  planner's to the byte: the named projections it keeps (the ones the backward reads: not
+  llama's down-projection, which nothing below reads; Gemma's, which its post-MLP norm
+  does), save-matmul-outputs' every projection, and what offloading policies keep on the
+  host. A mixture of experts keeps its attention's projections alone (the experts' matmuls
+  are batched) and, under save-matmul-outputs, the router's fp32 logits, which the planner
+  leaves out."""
+  m = dataclasses.replace(registry.load(family), attention="xla")
+  full = residual_bytes(m, "full") - planned_bytes(m, "full")
+  router = m.n_layers * B * L * getattr(m, "n_experts", 0) * 4
+  for remat in REMATTED:
+    extra = router if remat == "save-matmul-outputs" else 0
+    assert residual_bytes(m, remat) - full == planned_bytes(m, remat) + extra, remat
+  # The named policies keep more than full remat, each what it names (checked above).
+  named = {r: planned_bytes(m, r) for r in remat_lib.NAMED}
+  assert all(b > planned_bytes(m, "full") for b in named.values()), named
+
+
+def test_offloading_policies_keep_on_the_host_what_the_others_keep_on_the_device():
+  """qkv-proj-offloaded keeps save-qkv-proj's residuals in host memory, minimal-offloaded
+  save-matmul-outputs'; on the device each keeps full remat's layer inputs."""
+  m = registry.load("tiny")
+  a = plan_memory.ActivationShapes(d=100, residual=100, q=60, kv=20, scores=500, mlp=300,
+                                   logits=0, tokens=0, positions=0)
+  device = {r: plan_memory.layer_saved_bytes(a, 2, r, m) for r in REMATTED}
+  host = {r: plan_memory.offloaded_activation_bytes(m, a, 2, r) for r in REMATTED}
+  for offloaded, kept in (("qkv-proj-offloaded", "save-qkv-proj"),
+                          ("minimal-offloaded", "save-matmul-outputs")):
+    assert device[offloaded] == device["full"]
+    assert host[offloaded] == m.n_layers * (device[kept] - device["full"]) > 0
+  assert host["offload"] == m.n_layers * a.residual * 2 and device["offload"] == 0
+
+
+def test_named_policies_recompute_the_projections_they_do_not_keep():
+  """Backward FLOPs: each policy reruns attention's einsums; full every weight matmul;
+  save-qkv-proj all but q, k and v; save-dot-except-mlp all but those and o; the MLP's
+  input projections are rerun by all three named device policies."""
+  m = registry.load("llama2-7b")
+  seq = 4096
+  flops = {r: plan_comm.hardware_flops_per_token(m, seq, r) for r in remat_lib.POLICIES}
+  attention = 4 * m.n_layers * m.n_heads * m.head_dim * seq
+  weights = 2 * m.n_layer_params
+  d, q, kv = m.d_model, m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+  qkv = 2 * m.n_layers * d * (q + 2 * kv)
+  o = 2 * m.n_layers * q * d
+  base = flops["none"]
+  assert flops["full"] - base == weights + attention
+  assert flops["save-matmul-outputs"] - base == attention == flops["minimal-offloaded"] - base
+  assert flops["save-qkv-proj"] - base == weights - qkv + attention
+  assert flops["qkv-proj-offloaded"] == flops["save-qkv-proj"]
+  assert flops["save-dot-except-mlp"] - base == weights - qkv - o + attention
+  assert flops["save-dot-except-mlpwi"] == flops["save-dot-except-mlp"]  # mlpwo: not read
+
+
+def test_every_policy_computes_the_same_gradients():
+  """tiny in fp32: every policy's gradients are no remat's (offloading ones too: XLA:CPU
+  has a pinned_host memory), so a policy changes memory and time, never the update."""
+  m = registry.load("tiny")
+  losses = {r: loss_fn(m, r) for r in remat_lib.POLICIES}
+  state = losses["none"][1]  # one init: the params do not depend on the policy
+  grads = jax.jit(lambda s: {r: jax.grad(f)(s) for r, (f, _) in losses.items()})(state)
+  for remat in REMATTED:
+    for g, w in zip(jax.tree.leaves(grads[remat]), jax.tree.leaves(grads["none"])):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=1e-7,
+                                 err_msg=remat)
+
+
+def test_a_policy_is_named_as_train_remat_or_refused_naming_the_valid_ones():
+  assert TrainConfig(remat="save-dot-except-mlpwi").remat == "save-dot-except-mlpwi"
+  with pytest.raises(ConfigError, match=r"train.remat.*save_dot_except_mlpwi.*"
+                                         r"save-dot-except-mlpwi"):
+    TrainConfig(remat="save_dot_except_mlpwi")
+  for family in FAMILIES:
+    assert set(registry.load(family).remat_policies) == set(remat_lib.POLICIES), family
