@@ -19,6 +19,7 @@ __all__ = ["compile_recipe", "maxtext_available"]
 # The compiled program's memory_analysis(), as MaxText's train_compile prints it.
 _FIELDS = ("argument", "output", "alias", "temp")
 _MEMORY = {f: re.compile(rf"\b{f}_size_in_bytes=(\d+)") for f in _FIELDS}
+_HOST = {f: re.compile(rf"\bhost_{f}_size_in_bytes=(\d+)") for f in _FIELDS}
 
 
 def _train_step_hlo(dump: Path) -> str:
@@ -40,7 +41,8 @@ _OURS = ("TPU_", "JAX_", "XLA_", "LIBTPU", "ALLOW_MULTIPLE_LIBTPU_LOAD")
 
 def compile_recipe(topology: str, keys: list[str]) -> dict:
   """MaxText's train_compile for `topology` ("v5e-256") with its config `keys`
-  ("model_name=llama2-7b", ...): per-chip bytes, estimated cycles and compile seconds."""
+  ("model_name=llama2-7b", ...): per-chip bytes (device and host), estimated cycles and
+  compile seconds."""
   with tempfile.TemporaryDirectory() as tmp:
     dump = Path(tmp) / "xla"
     env = {k: v for k, v in os.environ.items() if not k.startswith(_OURS)}
@@ -55,6 +57,8 @@ def compile_recipe(topology: str, keys: list[str]) -> dict:
                          f"memory (exit {done.returncode}):\n{done.stdout[-2000:]}"
                          f"{done.stderr[-2000:]}")
     argument, output, alias, temp = (int(found[f].group(1)) for f in _FIELDS)
+    host = {f: int(m.group(1)) if (m := _HOST[f].search(done.stdout)) else 0 for f in _FIELDS}
     return {"total_bytes": argument + output - alias + temp,
+            "host_bytes": host["argument"] + host["output"] - host["alias"] + host["temp"],
             "cycles": hlo_cycles.estimated_cycles(_train_step_hlo(dump)),
             "compile_s": seconds}
