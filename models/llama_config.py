@@ -62,7 +62,7 @@ class LlamaConfig:
   saved_matmul_outputs = {"d": 1, "q": 1, "kv": 2, "mlp": 2}
   # At a named remat policy (shardlab/remat.py): the projections whose kept output the
   # backward reads, by shape. It never reads the down-projection's (mlpwo): a policy that
-  # names it keeps nothing more (jax.ad_checkpoint.saved_residuals of this model).
+  # names it keeps nothing more (the traced backward's residuals: test_remat_policies.py).
   saved_projections = {"query_proj": "q", "key_proj": "kv", "value_proj": "kv",
                        "out_proj": "d", "mlpwi_0": "mlp", "mlpwi_1": "mlp"}
   # The projections LoRA can adapt (lora.targets), and the weight each one adapts.

@@ -25,7 +25,8 @@ from shardlab.sharding.activations import pipeline_schedule, step_context
 
 # train.remat -> the policy jax.checkpoint takes (None: no jax.checkpoint at all); each is
 # described in shardlab/remat.py.
-REMAT_POLICIES = {k: None if p is None else p.jax_policy() for k, p in remat_lib.POLICIES.items()}
+REMAT_POLICIES = {k: None if p is None else p.jax_policy()
+                  for k, p in remat_lib.POLICIES.items()}
 
 # call(layer, x, args, slice) -> (x, new slice, stats or None)
 Call = Callable[[nnx.Module, jax.Array, tuple, object], tuple]

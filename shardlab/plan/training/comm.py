@@ -28,11 +28,10 @@ import jax
 import jax.numpy as jnp
 
 from shardlab import remat as remat_lib
-from shardlab.models import protocol
 from shardlab.sharding import rules as rules_lib
 from shardlab.training.state import path_of
 from shardlab.runtime.hardware import Accelerator
-from shardlab.plan.training.memory import ActivationShapes
+from shardlab.plan.training.memory import ActivationShapes, read_projections
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
 EMBEDDING = ("vocab", "embed")  # a tied table: looked up and used as the output head
@@ -302,8 +301,7 @@ def hardware_flops_per_token(m, seq_len: int, remat: str) -> float:
   flops += 4 * m.n_layers * m.n_heads * m.head_dim * seq_len
   if policy.dots:
     return flops
-  kept = set(policy.saved + policy.offloaded) & set(
-      protocol.get(m, "saved_projections") if remat in remat_lib.NAMED else ())
+  kept = read_projections(m, policy.saved + policy.offloaded)
   return flops + 2 * (m.n_layer_params - m.n_layers * sum(projection_params(m, n)
                                                           for n in kept))
 

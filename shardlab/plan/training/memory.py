@@ -164,9 +164,16 @@ def _matmul_outputs(a: ActivationShapes, p: int, m) -> float:
 
 
 def _projections(a: ActivationShapes, p: int, m, names) -> float:
-  """The named projection outputs among `names` that a layer's backward reads."""
-  table = protocol.get(m, "saved_projections") if set(names) - {remat_lib.LAYER_INPUT} else {}
-  return sum(getattr(a, table[n]) * p for n in names if n in table)
+  read = read_projections(m, names)
+  table = protocol.get(m, "saved_projections") if read else {}
+  return sum(getattr(a, table[n]) * p for n in read)
+
+
+def read_projections(m, names) -> list[str]:
+  """The named projection outputs among `names` (checkpoint names) that a layer's backward
+  reads (the model's `saved_projections`; none asked of it for no names but the input)."""
+  names = [n for n in names if n != remat_lib.LAYER_INPUT]
+  return [n for n in names if n in protocol.get(m, "saved_projections")] if names else []
 
 
 def layer_backward_transient(a: ActivationShapes, p: int, remat: str, m,
