@@ -122,7 +122,7 @@ def run(name: str, per_chip: int | None = None, overrides=(), dump: Path | None 
   spec = plan_compile._spec(req)
   cfg = config.apply_overrides(plan_compile.run_config(req, spec), list(overrides))
   acc = plan.hardware.get(r.target)
-  est = plan.estimate(req, model_cfg, acc, spec)
+  est = plan.estimate(req, cfg.model, acc, spec)  # `--set model.*` reaches the planner too
   cpu0 = time.process_time()
   report = aot.compile_on_tpu(cfg, acc.topology, r.chips,
                               dump=dump / name.replace("/", "_") if dump else None)
@@ -154,6 +154,9 @@ def maxtext_keys(name: str, per_chip: int | None, overrides) -> list[str]:
     key, _, value = item.partition("=")
     if key == "model.n_layers":
       keys += [f"base_num_decoder_layers={value}", "override_model_config=True"]
+    elif key == "model.attention_scores":  # MaxText's default is "compute"
+      flag = str(value == "fp32")
+      keys += [f"float32_qk_product={flag}", f"float32_logits={flag}"]
   return keys
 
 
@@ -180,7 +183,7 @@ def _line(name: str, r: dict, overrides) -> str:
   ref_s = f"≈{r['reference_compile_s']} s" if r["reference_compile_s"] else "n/a"
   host = f" + {r['host_gib']:.2f} host" if r["host_gib"] else ""
   without = (" (of the config without --set)" if any(
-      not o.startswith("model.attention=") for o in overrides) else "")
+      not o.startswith("model.") for o in overrides) else "")
   return (f"{name:20s} {r['where']:16s} compiled {r['compiled_gib']:6.2f} GiB per chip{host} "
           f"({ref}usable {r['usable_gib']:.2f}; "
           f"{'fits' if r['fits'] else 'DOES NOT FIT'})  analytic{without} "

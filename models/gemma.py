@@ -70,7 +70,7 @@ class GemmaAttention(llama.Attention):
       q = q * jnp.asarray(self.q_scale, q.dtype)
     out, cache_kv = parallel.attend(q, llama.apply_rope(k, cos, sin), v, mask_LxM, cache_kv,
                                     index, self.impl, doc, self.exchange, window=window,
-                                    softcap=self.softcap)
+                                    softcap=self.softcap, scores=self.scores)
     return self.project("o", out), cache_kv
 
 

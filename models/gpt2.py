@@ -56,7 +56,7 @@ class Attention(nnx.Module):
     fan_in = h * e * 2 * cfg.n_layers
     self.o_HxExD = _param(rngs, (h, e, d), ("heads", "head_dim", "embed"), fan_in, dtype, stack)
     self.o_bias_D = _param(rngs, (d,), ("embed",), "zeros", dtype, stack)
-    self.impl = cfg.attention
+    self.impl, self.scores = cfg.attention, cfg.attention_scores
     if lora_cfg is not None:
       self.lora_q, self.lora_k, self.lora_v, self.lora_o = (
           _adapter(lora_cfg, t, getattr(self, LORA_WEIGHTS[t]), dtype, lora_rngs, stack)
@@ -64,7 +64,7 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BxLxD, mask_LxM, index, cache_kv=None):
     q, k, v = (self.project(t, x_BxLxD) for t in ("q", "k", "v"))
-    out, cache_kv = attend(q, k, v, mask_LxM, cache_kv, index, self.impl)
+    out, cache_kv = attend(q, k, v, mask_LxM, cache_kv, index, self.impl, scores=self.scores)
     return self.project("o", out), cache_kv
 
   def project(self, target: str, x):

@@ -25,6 +25,7 @@ class GPT2Config:
   max_seq_len: int = 1024  # n_positions: the learned position table's rows
   norm_eps: float = 1e-5
   attention: str = "xla"  # "xla" | "flash" | "auto": shardlab.parallel.attention
+  attention_scores: str = "fp32"  # "fp32" | "compute": as LlamaConfig's
   arch: str = "gpt2"
 
   activations = decoder.ACTIVATIONS
@@ -57,6 +58,8 @@ class GPT2Config:
       raise ConfigError(f"model.norm_eps must be > 0, got {self.norm_eps}")
     if self.attention not in parallel.ATTENTION_IMPLEMENTATIONS:
       raise unknown("model.attention", self.attention, parallel.ATTENTION_IMPLEMENTATIONS)
+    if self.attention_scores not in parallel.ATTENTION_SCORES:
+      raise unknown("model.attention_scores", self.attention_scores, parallel.ATTENTION_SCORES)
     if self.d_model % self.n_heads:
       raise ConfigError(f"model.d_model ({self.d_model}) must be a multiple of model.n_heads "
                         f"({self.n_heads})")

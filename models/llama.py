@@ -89,7 +89,7 @@ class Attention(nnx.Module):
     self.k_DxKxE = _param(rngs, (d, k, e), ("embed", "kv_heads", "head_dim"), d, dtype, stack)
     self.v_DxKxE = _param(rngs, (d, k, e), ("embed", "kv_heads", "head_dim"), d, dtype, stack)
     self.o_HxExD = _param(rngs, (h, e, d), ("heads", "head_dim", "embed"), h * e, dtype, stack)
-    self.impl, self.exchange = cfg.attention, cfg.kv_exchange
+    self.impl, self.exchange, self.scores = cfg.attention, cfg.kv_exchange, cfg.attention_scores
     if lora_cfg is not None:
       self.lora_q, self.lora_k, self.lora_v, self.lora_o = (
           _adapter(lora_cfg, t, getattr(self, w), dtype, lora_rngs, stack)
@@ -100,7 +100,7 @@ class Attention(nnx.Module):
     `doc`: (positions, segment ids) for document masks and context parallelism."""
     q, k, v = (self.project(t, x_BxLxD) for t in ("q", "k", "v"))
     out, cache_kv = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, mask_LxM,
-                           cache_kv, index, self.impl, doc, self.exchange)
+                           cache_kv, index, self.impl, doc, self.exchange, scores=self.scores)
     return self.project("o", out), cache_kv
 
   def project(self, target: str, x):

@@ -37,6 +37,9 @@ class LlamaConfig:
   tie_embeddings: bool = False
   max_seq_len: int = 2048
   attention: str = "xla"  # "xla" | "flash" | "auto": shardlab.parallel.attention
+  # The xla path's scores and softmax: "fp32", or "compute" (the compute dtype, MaxText's
+  # default; less memory and traffic, a bf16 softmax): docs/attention.md.
+  attention_scores: str = "fp32"
   # "all-gather" | "ring": context parallelism (shardlab.parallel.attention)
   kv_exchange: str = "all-gather"
   arch: str = "llama"
@@ -80,6 +83,8 @@ class LlamaConfig:
                         f"{self.rope_theta} and {self.norm_eps}")
     if self.attention not in parallel.ATTENTION_IMPLEMENTATIONS:
       raise unknown("model.attention", self.attention, parallel.ATTENTION_IMPLEMENTATIONS)
+    if self.attention_scores not in parallel.ATTENTION_SCORES:
+      raise unknown("model.attention_scores", self.attention_scores, parallel.ATTENTION_SCORES)
     if self.kv_exchange not in parallel.KV_EXCHANGES:
       raise unknown("model.kv_exchange", self.kv_exchange, parallel.KV_EXCHANGES)
     rope.check(self)

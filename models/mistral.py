@@ -34,7 +34,7 @@ class WindowedAttention(llama.Attention):
     q, k, v = (self.project(t, x_BxLxD) for t in ("q", "k", "v"))
     out, cache_kv = attend(llama.apply_rope(q, cos, sin), llama.apply_rope(k, cos, sin), v,
                            mask_LxM, cache_kv, index, self.impl, doc, self.exchange,
-                           window=self.window)
+                           window=self.window, scores=self.scores)
     return self.project("o", out), cache_kv
 
 

@@ -82,6 +82,8 @@ OPTIONAL = {
                                      "note)", "the note says it was not trained past it",
                                      lambda m: "it was not trained past it"),
     "attention": _planner("the attention implementation ('xla' | 'flash' | 'auto')"),
+    "attention_scores": OptionalMember("the dense attention path's score dtype ('fp32' | "
+                                       "'compute')", "fp32 scores", lambda m: "fp32"),
     "kv_exchange": _planner("how context parallelism exchanges K/V ('all-gather' | 'ring'); "
                             "read only on a mesh with a context axis"),
     "saved_activations": _planner("what autodiff saves per layer, by shape: the planner's "

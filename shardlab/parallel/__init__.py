@@ -27,6 +27,7 @@ from shardlab.parallel.lora import for_weight as lora_for_weight
 from shardlab.parallel.lora import project_target as lora_project_target
 from shardlab.parallel.loss import cross_entropy
 from shardlab.parallel.mlp import swiglu
+from shardlab.parallel.softmax import SCORES as ATTENTION_SCORES
 from shardlab.parallel.names import ACTIVATIONS
 from shardlab.parallel.routing import route, router_stats
 from shardlab.parallel.scan import LAYER_INPUT, REMAT_POLICIES, scan, scan_layers
@@ -38,7 +39,7 @@ from shardlab.sharding.activations import constrain, current, platform, step_con
 from shardlab.sharding.params import param, stacked_param
 
 __all__ = [
-    "ACTIVATIONS", "ATTENTION_IMPLEMENTATIONS", "Adapter", "DISPATCH_MODES", "KV_EXCHANGES",
+    "ACTIVATIONS", "ATTENTION_IMPLEMENTATIONS", "ATTENTION_SCORES", "Adapter", "DISPATCH_MODES", "KV_EXCHANGES",
     "LAYER_INPUT", "LORA_PREFIX", "LoraWeight", "PipelineParts", "REMAT_POLICIES",
     "adapter_rngs", "add_lora", "attend", "attention", "causal_mask", "constrain",
     "cross_entropy", "current", "document_positions", "einsum", "experts",

@@ -20,19 +20,22 @@ Shape suffixes: B batch, L length, M attended length, H heads, K kv heads, G hea
 head, E head_dim, S cache length.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 import shardlab.parallel.context as context
 import shardlab.parallel.flash as flash
 from shardlab.parallel.names import ACTIVATIONS
-from shardlab.parallel.softmax import softmax_attention
+from shardlab.parallel.softmax import SCORES, softmax_attention
 from shardlab.sharding.activations import constrain, platform
 
 
 def attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, *, segment_ids=None, positions=None,
               causal: bool = True, impl: str = "auto", kv_exchange: str = "all-gather",
-              window: int | None = None, softcap: float | None = None):
+              window: int | None = None, softcap: float | None = None,
+              scores: str = "fp32"):
   """Grouped-query attention B×L×H×E (query head i uses kv head i // G, as Hugging Face's
   repeat_kv lays them out; scores scaled by E^-0.5, softmax statistics in fp32, output in
   q's dtype). Inputs and output are constrained to the activation names `queries` and
@@ -49,13 +52,16 @@ def attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, *, segment_ids=None, positions=No
   i - window < j <= i), on the positions, so per document. `softcap`: scores become
   softcap·tanh(scores / softcap) after the E^-0.5 scaling (Gemma 2). Every path supports
   both, except that cuDNN (flash on gpu in 16 bits) refuses `softcap` and `causal=False`
-  refuses `window`."""
+  refuses `window`. `scores`: the dense path's scores and softmax in "fp32" or in the
+  inputs' dtype ("compute", MaxText's default); the flash paths keep fp32 statistics
+  whatever it says (parallel/softmax.py)."""
   flash.check_options(window, softcap)
   if not causal:
     if window is not None:
       raise ValueError(f"attention window = {window!r} needs causal=True: the window is "
                        f"causal (i - window < j <= i); causal=False takes window=None")
-    return _bidirectional(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, segment_ids, impl, softcap)
+    return _bidirectional(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, segment_ids, impl, softcap,
+                          scores)
   doc = None
   if segment_ids is not None or positions is not None:
     b, l = q_BxLxHxE.shape[:2]
@@ -67,10 +73,11 @@ def attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, *, segment_ids=None, positions=No
   l = q_BxLxHxE.shape[1]
   mask = None if doc else jnp.tril(jnp.ones((l, l), bool))
   return attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask, impl=impl, doc=doc,
-                exchange=kv_exchange, window=window, softcap=softcap)[0]
+                exchange=kv_exchange, window=window, softcap=softcap, scores=scores)[0]
 
 
-def _bidirectional(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, segment_ids, impl: str, softcap):
+def _bidirectional(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, segment_ids, impl: str, softcap,
+                   scores: str):
   flash.resolve(impl, platform())  # an unknown name is still an error
   q = constrain(q_BxLxHxE, ACTIVATIONS["queries"])
   if context.split(ACTIVATIONS["queries"], q.shape):
@@ -81,23 +88,24 @@ def _bidirectional(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, segment_ids, impl: str, soft
   mask = jnp.ones((1, 1), bool)
   if segment_ids is not None:  # B×1×1×L×M: the softmax's B×K×G×L×M scores
     mask = (segment_ids[:, None, :] == segment_ids[:, :, None])[:, None, None]
-  return _dense(q, k, v, mask, softcap)
+  return _dense(q, k, v, mask, softcap, scores)
 
 
-def _dense(q_BxLxHxE, k_BxMxKxE, v_BxMxKxE, mask, softcap=None):
-  """Softmax attention of constrained inputs under `mask`, scores capped by `softcap`."""
+def _dense(q_BxLxHxE, k_BxMxKxE, v_BxMxKxE, mask, softcap=None, scores="fp32"):
+  """Softmax attention of constrained inputs under `mask`, scores capped by `softcap`, in
+  `scores`' dtype."""
   b, l, h, e = q_BxLxHxE.shape
   kv = k_BxMxKxE.shape[2]
   dt = q_BxLxHxE.dtype
   q_BxLxKxGxE = q_BxLxHxE.reshape(b, l, kv, h // kv, e)
   out = softmax_attention(q_BxLxKxGxE, k_BxMxKxE.astype(dt), v_BxMxKxE.astype(dt), mask,
-                          softcap)
+                          softcap, scores)
   return constrain(out.reshape(b, l, h, e), ACTIVATIONS["queries"])
 
 
 def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask_LxM, cache_kv=None, index=None,
            impl: str = "xla", doc=None, exchange: str = "all-gather", *,
-           window: int | None = None, softcap: float | None = None):
+           window: int | None = None, softcap: float | None = None, scores: str = "fp32"):
   """`attention` for a decoder with an optional KV cache: (output, updated cache). With
   `cache_kv` (this layer's B×S×K×E key and value buffers) the new keys and values are
   written at `index`, the queries attend over the buffers under `mask_LxM` (L×S), and the
@@ -106,21 +114,23 @@ def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask_LxM, cache_kv=None, index=None,
   parallelism needs. `window` narrows `mask_LxM` (query i at position index + i with a
   cache, i without; key j at position j) or the document mask; `softcap` as `attention`'s.
   With both a cache and a `window` the buffers are a ring (`ring_attend`): S may be as
-  short as the window, and `mask_LxM` is not read."""
+  short as the window, and `mask_LxM` is not read. `scores` as `attention`'s."""
   flash.check_options(window, softcap)
+  if scores not in SCORES:
+    raise ValueError(f"attention scores {scores!r}; valid: {', '.join(SCORES)}")
   q = constrain(q_BxLxHxE, ACTIVATIONS["queries"])
   k = constrain(k_BxLxKxE, ACTIVATIONS["keys_values"])
   v = constrain(v_BxLxKxE, ACTIVATIONS["keys_values"])
   if cache_kv is not None and window is not None:
-    return ring_attend(q, k, v, cache_kv, index, window, softcap)
+    return ring_attend(q, k, v, cache_kv, index, window, softcap, scores)
   if cache_kv is None and (doc is not None or context.split(flash.QUERIES, q.shape)):
     if doc is None:
       raise ValueError("the rules split `length` (context parallelism) but this model passes "
                        "no positions to attention; it supports neither context parallelism "
                        "nor packed documents")
     out = context.attend(q, k, v, *doc, impl=impl, exchange=exchange,
-                         dense=softmax_attention, platform=platform(), window=window,
-                         softcap=softcap)
+                         dense=functools.partial(_masked_softmax, scores=scores),
+                         platform=platform(), window=window, softcap=softcap)
     return constrain(out, ACTIVATIONS["queries"]), None
   if cache_kv is not None:
     k, v = (constrain(jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), index,
@@ -132,7 +142,11 @@ def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask_LxM, cache_kv=None, index=None,
     return constrain(out, ACTIVATIONS["queries"]), None
   if window is not None:  # no cache here: a windowed layer's cache is a ring (above)
     mask_LxM = mask_LxM & window_mask(q.shape[1], k.shape[1], window)
-  return _dense(q, k, v, mask_LxM, softcap), cache_kv
+  return _dense(q, k, v, mask_LxM, softcap, scores), cache_kv
+
+
+def _masked_softmax(q, k, v, mask, softcap=None, *, scores: str):
+  return softmax_attention(q, k, v, mask, softcap, scores)
 
 
 def causal_mask(length: int, cache_length: int | None = None, start=0):
@@ -156,7 +170,8 @@ def ring_positions(slots: int, index):
   return index - 1 - (index - 1 - s) % slots
 
 
-def ring_attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, cache_kv, index, window: int, softcap=None):
+def ring_attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, cache_kv, index, window: int, softcap=None,
+                scores: str = "fp32"):
   """Attention of L queries at positions index.. over a sliding-window layer's ring cache
   (B×S×K×E buffers, S >= min(window, the tokens it will hold)): (output, updated buffers).
   Queries see the keys whose positions (from `ring_positions`) are causal and in the
@@ -184,4 +199,4 @@ def ring_attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, cache_kv, index, window: int, s
   mask_LxM = (keys >= 0) & (keys <= queries) & (keys > queries - window)
   k = constrain(k, ACTIVATIONS["keys_values"])
   v = constrain(v, ACTIVATIONS["keys_values"])
-  return _dense(q_BxLxHxE, k, v, mask_LxM, softcap), ring
+  return _dense(q_BxLxHxE, k, v, mask_LxM, softcap, scores), ring

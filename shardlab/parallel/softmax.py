@@ -2,7 +2,10 @@
 
 FlashAttention's backward, unblocked: fp32 scores and softmax, of which only the
 probabilities in the compute dtype are kept for the backward (autodiff keeps the fp32
-softmax too, and rebuilds an fp32 cotangent of it).
+softmax too, and rebuilds an fp32 cotangent of it). `scores="compute"` keeps the scores, the
+softmax and their gradients in the inputs' dtype instead, as MaxText does by default
+(`float32_qk_product=False`, `float32_logits=False`): less HBM traffic and memory, at bf16's
+8 bits of mantissa in the probabilities' normaliser.
 Shape suffixes: B batch, L length, M attended length, K kv heads, G heads per kv head,
 E head_dim.
 """
@@ -29,34 +32,47 @@ def cap_grad(d_capped, scores, softcap: float | None):
   return d_capped * (1 - jnp.square(jnp.tanh(scores / softcap)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def softmax_attention(q_BxLxKxGxE, k_BxMxKxE, v_BxMxKxE, mask_LxM, softcap=None):
+SCORES = ("fp32", "compute")  # a model's attention_scores
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def softmax_attention(q_BxLxKxGxE, k_BxMxKxE, v_BxMxKxE, mask_LxM, softcap=None,
+                      scores="fp32"):
   """B×L×K×G×E: query (l, k, g) attends to the keys of kv head k that `mask_LxM` (L×M, or
-  anything that broadcasts to B×K×G×L×M) lets it see; `softcap` caps the scaled scores."""
-  return _forward(q_BxLxKxGxE, k_BxMxKxE, v_BxMxKxE, mask_LxM, softcap)[0]
+  anything that broadcasts to B×K×G×L×M) lets it see; `softcap` caps the scaled scores;
+  `scores`: "fp32" or "compute" (the inputs' dtype), the scores' and softmax's dtype."""
+  return _forward(q_BxLxKxGxE, k_BxMxKxE, v_BxMxKxE, mask_LxM, softcap, scores)[0]
 
 
-def _scores(q, k):
-  return dot.einsum("blkge,bmke->bkglm", q, k, jnp.float32) * q.shape[-1]**-0.5
+def _dtype(q, scores: str):
+  if scores not in SCORES:
+    raise ValueError(f"attention scores {scores!r}; valid: {', '.join(SCORES)}")
+  return jnp.float32 if scores == "fp32" else q.dtype
 
 
-def _forward(q, k, v, mask_LxM, softcap=None):
-  scores = cap(_scores(q, k), softcap)
-  scores = jnp.where(mask_LxM, scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+def _scores(q, k, scores: str):
+  dt = _dtype(q, scores)
+  return dot.einsum("blkge,bmke->bkglm", q, k, dt) * jnp.asarray(q.shape[-1]**-0.5, dt)
+
+
+def _forward(q, k, v, mask_LxM, softcap=None, scores="fp32"):
+  s = cap(_scores(q, k, scores), softcap)
+  s = jnp.where(mask_LxM, s, jnp.finfo(s.dtype).min)
+  probs = jax.nn.softmax(s, axis=-1).astype(q.dtype)
   return dot.einsum("bkglm,bmke->blkge", probs, v), (q, k, v, mask_LxM, probs)
 
 
-def _backward(softcap, residuals, d_out):
+def _backward(softcap, scores, residuals, d_out):
   q, k, v, mask_LxM, probs = residuals
+  dt = _dtype(q, scores)
   d_out = d_out.astype(q.dtype)
   d_v = dot.einsum("bkglm,blkge->bmke", probs, d_out)
-  d_probs = dot.einsum("blkge,bmke->bkglm", d_out, v).astype(jnp.float32)
-  p = probs.astype(jnp.float32)
+  d_probs = dot.einsum("blkge,bmke->bkglm", d_out, v).astype(dt)
+  p = probs.astype(dt)
   d_scores = p * (d_probs - jnp.sum(p * d_probs, axis=-1, keepdims=True))
   if softcap is not None:  # the scores are recomputed, not saved: one L×M array fewer
-    d_scores = cap_grad(d_scores, _scores(q, k), softcap)
-  d_scores = (d_scores * q.shape[-1]**-0.5).astype(q.dtype)
+    d_scores = cap_grad(d_scores, _scores(q, k, scores), softcap)
+  d_scores = (d_scores * jnp.asarray(q.shape[-1]**-0.5, dt)).astype(q.dtype)
   d_q = dot.einsum("bkglm,bmke->blkge", d_scores, k)
   d_k = dot.einsum("bkglm,blkge->bmke", d_scores, q)
   return d_q, d_k, d_v, None

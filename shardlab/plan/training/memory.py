@@ -80,6 +80,9 @@ class ActivationShapes:
   # block pair's tile, B×H×C×C, never the whole L×L.
   flash: bool = False
   context: int = 1  # devices the sequence is split over (the `length` rule's mesh axes)
+  # The dense path's scores, softmax and score gradient in the compute dtype, not fp32
+  # (model.attention_scores="compute": parallel/softmax.py).
+  compute_scores: bool = False
   ring: bool = False  # the KV exchange, when context > 1: ring, else all-gather
 
 
@@ -122,6 +125,7 @@ def activation_shapes(m, micro_batch: int, seq_len: int, table: dict, mesh,
       positions=n((b, s), ("batch", "length"), "positions"),
       head=n((m.d_model, m.vocab_size), ("embed", "vocab"), "head gradient"),
       flash=flash, context=context,
+      compute_scores=protocol.get(m, "attention_scores") == "compute",
       ring=context > 1 and protocol.get(m, "kv_exchange") == "ring",
   )
 
@@ -204,7 +208,7 @@ def layer_backward_transient(a: ActivationShapes, p: int, remat: str, m,
   if a.flash:
     scores = part["scores"] + _attention_backward(a, p)
   elif platform == "tpu":
-    scores = a.scores * (2 * p + 4)
+    scores = a.scores * (2 * p + (p if a.compute_scores else 4))
   else:
     scores = part["scores"] + a.scores * 10
   attention = part["q"] + part["kv"] + scores
