@@ -27,20 +27,21 @@ from shardlab.parallel.lora import for_weight as lora_for_weight
 from shardlab.parallel.lora import project_target as lora_project_target
 from shardlab.parallel.loss import cross_entropy
 from shardlab.parallel.mlp import swiglu
-from shardlab.parallel.softmax import SCORES as ATTENTION_SCORES
 from shardlab.parallel.names import ACTIVATIONS
 from shardlab.parallel.routing import route, router_stats
 from shardlab.parallel.scan import LAYER_INPUT, REMAT_POLICIES, scan, scan_layers
 from shardlab.parallel.schedule_1f1b import loss as pipeline_1f1b
 from shardlab.parallel.schedule_1f1b import value_and_grads as pipeline_1f1b_grads
+from shardlab.parallel.softmax import SCORES as ATTENTION_SCORES
 from shardlab.parallel.stack_1f1b import PipelineParts, pipeline_1f1b_loss
 from shardlab.parallel.stack_1f1b import active as pipeline_1f1b_active
 from shardlab.sharding.activations import constrain, current, platform, step_context
 from shardlab.sharding.params import param, stacked_param
 
 __all__ = [
-    "ACTIVATIONS", "ATTENTION_IMPLEMENTATIONS", "ATTENTION_SCORES", "Adapter", "DISPATCH_MODES", "KV_EXCHANGES",
-    "LAYER_INPUT", "LORA_PREFIX", "LoraWeight", "PipelineParts", "REMAT_POLICIES",
+    "ACTIVATIONS", "ATTENTION_IMPLEMENTATIONS", "ATTENTION_SCORES", "Adapter",
+    "DISPATCH_MODES", "KV_EXCHANGES", "LAYER_INPUT", "LORA_PREFIX", "LoraWeight",
+    "PipelineParts", "REMAT_POLICIES",
     "adapter_rngs", "add_lora", "attend", "attention", "causal_mask", "constrain",
     "cross_entropy", "current", "document_positions", "einsum", "experts",
     "is_context_parallel", "lora_adapter", "lora_einsum", "lora_for_weight", "lora_frozen",
