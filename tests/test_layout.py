@@ -18,6 +18,7 @@ RANKS = {
     "shardlab.sharding": 2,
     "shardlab.config": 1, "shardlab.runtime": 1, "shardlab.meshes": 1,
     "shardlab.bounds": 0.5,  # a number's declared range (ConfigError when out of it)
+    "shardlab.remat": 0.5,  # the remat policies by name (the config lists them)
     "shardlab.errors": 0,
     "shardlab": 0,  # the package: a lazy table of names, importing nothing
 }

@@ -15,8 +15,8 @@ from shardlab import remat as remat_lib
 from shardlab.config import TrainConfig
 from shardlab.errors import ConfigError
 from shardlab.models import registry
-from shardlab.plan.training import comm as plan_comm
 from shardlab.plan.training import memory as plan_memory
+from shardlab.plan.training import recompute
 
 B, L = 2, 32
 FAMILIES = ("tiny", "gpt2-tiny", "gemma2-tiny", "gemma3-tiny", "qwen2-tiny", "phi3-tiny",
@@ -92,7 +92,7 @@ def test_named_policies_recompute_the_projections_they_do_not_keep():
   input projections are rerun by all three named device policies."""
   m = registry.load("llama2-7b")
   seq = 4096
-  flops = {r: plan_comm.hardware_flops_per_token(m, seq, r) for r in remat_lib.POLICIES}
+  flops = {r: recompute.hardware_flops_per_token(m, seq, r) for r in remat_lib.POLICIES}
   attention = 4 * m.n_layers * m.n_heads * m.head_dim * seq
   weights = 2 * m.n_layer_params
   d, q, kv = m.d_model, m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim

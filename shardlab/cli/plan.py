@@ -12,6 +12,8 @@ from shardlab import remat as remat_lib
 import shardlab.cli.plan_user as plan_user
 from shardlab.bounds import Int
 from shardlab.cli.args import DefaultsHelp, Given, given, run_command
+from shardlab.cli.plan_fewest import fewest_devices
+from shardlab.cli.plan_fewest import inline_mesh  # noqa: F401 (callers read it here too)
 from shardlab.cli.plan_render import fewest_line, render, to_json
 from shardlab.errors import ConfigError
 from shardlab.plan.auto import choice as plan_auto
@@ -195,37 +197,6 @@ def _run(args, command) -> int:
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-
-
-def fewest_devices(req: plan_lib.Request, any_strategy: bool = True):
-  """The seed question, "how many devices does it need": the fewest devices of req.target
-  on which some mesh fits (of req.strategy only, unless `any_strategy`), found by the
-  planner's own min_devices (pipelines aside), and the request placed there: (request,
-  row). Where nothing fits, (the request on 1 device, None): plan() then says what would."""
-  mins, _ = plan_lib.min_devices(req, req.model_config(), hardware.get(req.target))
-  row = mins["overall"]
-  if not any_strategy:
-    row = mins[req.strategy] and {**mins[req.strategy], "strategy": req.strategy}
-  if row is None and mins["overall"] is not None:
-    o = mins["overall"]
-    raise ConfigError(f"strategy {req.strategy!r} fits on no count of {req.target} up to "
-                      f"{plan_lib.MAX_DEVICES}; {o['strategy']} fits on {o['devices']} "
-                      f"({o['mesh']}): leave --strategy out, or give --devices")
-  if row is None:
-    return dataclasses.replace(req, devices=1), None  # plan() names what it would take
-  return dataclasses.replace(req, strategy=row["strategy"], devices=row["devices"],
-                             mesh=inline_mesh(row["mesh"])), row
-
-
-def inline_mesh(described: str) -> str:
-  """An estimate's mesh ("data=1×2dcn fsdp=8 tensor=1") as an inline mesh
-  ("data:1,dcn.data:2,fsdp:8,tensor:1")."""
-  parts = []
-  for item in described.split():
-    axis, _, sizes = item.partition("=")
-    ici, _, dcn = sizes.removesuffix("dcn").partition("×")
-    parts += [f"{axis}:{ici}"] + ([f"dcn.{axis}:{dcn}"] if dcn else [])
-  return ",".join(parts)
 
 
 def _check_combinations(req: plan_lib.Request) -> None:

@@ -27,11 +27,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from shardlab import remat as remat_lib
 from shardlab.sharding import rules as rules_lib
 from shardlab.training.state import path_of
 from shardlab.runtime.hardware import Accelerator
-from shardlab.plan.training.memory import ActivationShapes, read_projections
+from shardlab.plan.training.memory import ActivationShapes
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
 EMBEDDING = ("vocab", "embed")  # a tied table: looked up and used as the output head
@@ -287,28 +286,3 @@ def transfer_time(t: Transfer, mesh_spec, acc: Accelerator) -> float:
   if n_dcn > 1:
     time += factor * (t.bytes / n_ici) * (n_dcn - 1) / n_dcn / acc.dcn_bw
   return time
-
-
-def hardware_flops_per_token(m, seq_len: int, remat: str) -> float:
-  """Model FLOPs plus what remat recomputes: every policy repeats attention's forward
-  einsums (4·H·E·seq a layer); full and offload repeat each layer's weight matmuls too
-  (2·N_layer), save-matmul-outputs none of them, a named policy those whose outputs it does
-  not keep (shardlab/remat.py)."""
-  flops = m.flops_per_token(seq_len)
-  policy = remat_lib.POLICIES[remat]
-  if policy is None:
-    return flops
-  flops += 4 * m.n_layers * m.n_heads * m.head_dim * seq_len
-  if policy.dots:
-    return flops
-  kept = read_projections(m, policy.saved + policy.offloaded)
-  return flops + 2 * (m.n_layer_params - m.n_layers * sum(projection_params(m, n)
-                                                          for n in kept))
-
-
-def projection_params(m, name: str) -> int:
-  """One layer's weights behind a named projection (shardlab/remat.py's names)."""
-  q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
-  width = {"query_proj": q, "key_proj": kv, "value_proj": kv, "out_proj": q,
-           "mlpwi_0": m.mlp_dim, "mlpwi_1": m.mlp_dim, "mlpwo": m.mlp_dim}[name]
-  return m.d_model * width

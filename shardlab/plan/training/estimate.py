@@ -19,6 +19,7 @@ from shardlab.plan.training import comm as plan_comm
 from shardlab.plan.training import experts as plan_experts
 from shardlab.plan.training import memory as plan_memory
 from shardlab.plan.training import pipeline as plan_pipeline
+from shardlab.plan.training import recompute
 from shardlab.plan.training import state_bytes
 from shardlab.plan.training import step_time as plan_time
 from shardlab.plan.training.request import Request, train_config
@@ -34,7 +35,7 @@ STRATEGIES = tuple(rules_lib.STRATEGIES)
 # The layer scan's remat policies (parallel.REMAT_POLICIES), each modelled: the residuals
 # kept on the device (memory.layer_saved_bytes), those kept in host memory
 # (memory.offloaded_activation_bytes: Memory.host, and the host-transfer time), and the
-# forward work the backward pass runs again (comm.hardware_flops_per_token, step_time).
+# forward work the backward pass runs again (recompute.hardware_flops_per_token, step_time).
 REMAT_POLICIES = tuple(remat_lib.POLICIES)
 
 
@@ -156,7 +157,7 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
   weights, serial = _transfers(model, req, train, rules, mesh, policy, abstract, be, uses,
                                 shapes, p)
   tokens_per_device = _tokens_per_device(req, rules, mesh)
-  flops = (plan_comm.hardware_flops_per_token(model, train.seq_len, train.remat) -
+  flops = (recompute.hardware_flops_per_token(model, train.seq_len, train.remat) -
            _frozen_weight_grad_flops(model, req.lora)) * tokens_per_device
   model_flops = model.flops_per_token(train.seq_len) * tokens_per_device
   memory_s = _hbm_traffic(memory, shapes, model, train, p) / acc.hbm_bw

@@ -17,6 +17,7 @@ import math
 from shardlab import remat as remat_lib
 from shardlab.config import TrainConfig
 from shardlab.models import protocol
+from shardlab.plan.training import recompute
 from shardlab.parallel import flash as attention
 from shardlab.plan.training.shards import (  # noqa: F401 (re-exported)
     dim_shards, itemsize, shard_elems, tree_shard_bytes)
@@ -158,26 +159,8 @@ def layer_saved_bytes(a: ActivationShapes, p: int, remat: str, m) -> float:
   policy = remat_lib.POLICIES[remat]
   if policy is None:
     return sum(_saved_by_shape(a, p, m).values())
-  kept = _matmul_outputs(a, p, m) if policy.dots == "device" else 0.0
-  return _carry(a, p, remat) + kept + _projections(a, p, m, policy.saved)
-
-
-def _matmul_outputs(a: ActivationShapes, p: int, m) -> float:
-  outs = protocol.get(m, "saved_matmul_outputs")
-  return sum(getattr(a, k) * n * p for k, n in outs.items())
-
-
-def _projections(a: ActivationShapes, p: int, m, names) -> float:
-  read = read_projections(m, names)
-  table = protocol.get(m, "saved_projections") if read else {}
-  return sum(getattr(a, table[n]) * p for n in read)
-
-
-def read_projections(m, names) -> list[str]:
-  """The named projection outputs among `names` (checkpoint names) that a layer's backward
-  reads (the model's `saved_projections`; none asked of it for no names but the input)."""
-  names = [n for n in names if n != remat_lib.LAYER_INPUT]
-  return [n for n in names if n in protocol.get(m, "saved_projections")] if names else []
+  kept = recompute.matmul_output_bytes(a, p, m) if policy.dots == "device" else 0.0
+  return _carry(a, p, remat) + kept + recompute.projection_bytes(a, p, m, policy.saved)
 
 
 def layer_backward_transient(a: ActivationShapes, p: int, remat: str, m,
@@ -266,8 +249,8 @@ def offloaded_activation_bytes(m, a: ActivationShapes, p: int, remat: str) -> fl
     return 0.0
   steps = math.ceil(m.n_layers / scan_step_layers(m))
   inputs = steps * a.residual * p if remat_lib.LAYER_INPUT in policy.offloaded else 0.0
-  per_layer = _matmul_outputs(a, p, m) if policy.dots == "host" else 0.0
-  return inputs + m.n_layers * (per_layer + _projections(a, p, m, policy.offloaded))
+  per_layer = recompute.matmul_output_bytes(a, p, m) if policy.dots == "host" else 0.0
+  return inputs + m.n_layers * (per_layer + recompute.projection_bytes(a, p, m, policy.offloaded))
 
 
 def loss_transients(a: ActivationShapes, p: int, fp32_logits: int = 1) -> tuple[float, float]:
