@@ -50,6 +50,11 @@ class Policy:
   def on_host(self) -> bool:
     return bool(self.offloaded) or self.dots == "host"
 
+  @property
+  def names(self) -> set[str]:
+    """The projections it keeps by name (on the device or the host), the input aside."""
+    return (set(self.saved) | set(self.offloaded)) - {LAYER_INPUT}
+
 
 # train.remat -> its Policy (None: no remat, autodiff keeps what it needs).
 POLICIES = {
@@ -70,5 +75,7 @@ POLICIES = {
 }
 
 # The policies that need a model to name its projections (PROJECTION_NAMES).
-NAMED = tuple(k for k, p in POLICIES.items() if p and (set(p.saved) | set(p.offloaded)) -
-              {LAYER_INPUT})
+NAMED = tuple(k for k, p in POLICIES.items() if p and p.names)
+# The policies that run every layer's whole forward again: they keep no matmul output
+# (offload keeps the layer input on the host rather than the device).
+RECOMPUTE_ALL = tuple(k for k, p in POLICIES.items() if p and not p.names and not p.dots)

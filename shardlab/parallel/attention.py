@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import shardlab.parallel.context as context
 import shardlab.parallel.flash as flash
 from shardlab.parallel.names import ACTIVATIONS
-from shardlab.parallel.softmax import SCORES, softmax_attention
+from shardlab.parallel.softmax import check_scores, softmax_attention
 from shardlab.sharding.activations import constrain, platform
 
 
@@ -116,8 +116,7 @@ def attend(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask_LxM, cache_kv=None, index=None,
   With both a cache and a `window` the buffers are a ring (`ring_attend`): S may be as
   short as the window, and `mask_LxM` is not read. `scores` as `attention`'s."""
   flash.check_options(window, softcap)
-  if scores not in SCORES:
-    raise ValueError(f"attention scores {scores!r}; valid: {', '.join(SCORES)}")
+  check_scores(scores)
   q = constrain(q_BxLxHxE, ACTIVATIONS["queries"])
   k = constrain(k_BxLxKxE, ACTIVATIONS["keys_values"])
   v = constrain(v_BxLxKxE, ACTIVATIONS["keys_values"])

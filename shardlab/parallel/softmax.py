@@ -44,9 +44,13 @@ def softmax_attention(q_BxLxKxGxE, k_BxMxKxE, v_BxMxKxE, mask_LxM, softcap=None,
   return _forward(q_BxLxKxGxE, k_BxMxKxE, v_BxMxKxE, mask_LxM, softcap, scores)[0]
 
 
-def _dtype(q, scores: str):
+def check_scores(scores: str) -> None:
   if scores not in SCORES:
     raise ValueError(f"attention scores {scores!r}; valid: {', '.join(SCORES)}")
+
+
+def _dtype(q, scores: str):
+  check_scores(scores)
   return jnp.float32 if scores == "fp32" else q.dtype
 
 

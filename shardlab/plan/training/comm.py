@@ -27,6 +27,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from shardlab import remat as remat_lib
 from shardlab.sharding import rules as rules_lib
 from shardlab.training.state import path_of
 from shardlab.runtime.hardware import Accelerator
@@ -84,9 +85,7 @@ BACKENDS = {"tpu": Backend("tpu", True, True), "gpu": Backend("gpu", True, True)
             "cpu": Backend("cpu", False, False)}
 
 
-# Remat policies that run every layer's forward twice ("offload" keeps the layer input on
-# the host rather than the device, and recomputes as "full" does).
-RECOMPUTE_ALL = ("full", "offload")
+RECOMPUTE_ALL = remat_lib.RECOMPUTE_ALL  # the remat policies that rerun the whole forward
 
 
 def param_transfers(abstract, rules: rules_lib.Rules, mesh, policy, microbatches: int,
