@@ -18,8 +18,12 @@ $(STAMP): pyproject.toml
 train: $(STAMP)  ## the default run; pass options with ARGS="--steps 100 --strategy fsdp"
 	$(PY) train.py $(ARGS)
 
+# The suite in JOBS pytest-xdist workers, one test file to a worker (a file's tests share the
+# steps it compiles). XLA:CPU already compiles and runs on ~1.6 of CI's 2 cores; the second
+# worker fills the rest and the waits on the processes tests start. JOBS=0: one process.
+JOBS ?= 2
 test: $(STAMP)  ## the whole suite; extra pytest options with ARGS="-k parity"
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile) $(ARGS)
 
 # The file readers fuzzed deeply (tests/fuzz_harness.py: the suite runs a few seeded examples
 # each; this runs 2000 random ones per test, or EXAMPLES=N) and says how many inputs it tried.

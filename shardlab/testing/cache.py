@@ -12,6 +12,11 @@ memory mappings (vm.max_map_count, 65530 by default): each live XLA:CPU executab
 code in ~50 pieces, whether compiled or loaded, and with the limit reached XLA:CPU aborts
 compiling afresh just as it segfaults loading (docs/testing.md). The cache adds no mappings.
 
+Processes sharing the directory at once (pytest-xdist workers, the two ranks of a
+multi-process test) are safe: JAX writes an entry once, and a reader that meets one still
+being written finds a truncated compressed stream, which JAX reports as a warning and
+compiles afresh; nothing half-written is ever loaded.
+
 The key holds nothing about the host's CPU, and an executable is compiled for the CPU
 features of the host that compiled it: XLA:CPU refuses to load one that needs a feature the
 host lacks (and compiles afresh), but would load one built for a lesser CPU, slower. So the
