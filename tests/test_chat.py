@@ -16,6 +16,7 @@ from shardlab.config import DataConfig
 from shardlab.data import chat, feed as feed_lib, packing, tokens
 from shardlab.data import tokenizer as tokenizer_lib
 from shardlab.errors import ConfigError
+from shardlab.hf import weights as hf_weights
 from shardlab.models import lm
 from shardlab.training import step
 
@@ -81,6 +82,21 @@ def test_render_equals_transformers_apply_chat_template(dirs, kind):
     assert ids[0] == theirs.bos_token_id  # the special tokens reach the template
     if kind == "markers":
       assert mask.tolist() == list(out["assistant_masks"])
+
+
+def test_an_export_keeps_a_template_saved_as_chat_template_jinja(dirs, tmp_path):
+  """transformers 5 saves the template beside the config (chat_template.jinja): `to-hf
+  --tokenizer-from` copies it, so the export renders the conversations as the original."""
+  transformers = pytest.importorskip("transformers")
+  saved, export = tmp_path / "saved", tmp_path / "export"
+  transformers.AutoTokenizer.from_pretrained(str(dirs["markers"])).save_pretrained(str(saved))
+  assert (saved / chat.TEMPLATE_FILE).is_file()
+  export.mkdir()
+  assert chat.TEMPLATE_FILE in hf_weights.copy_tokenizer(saved, export)
+  for messages in CONVERSATIONS:
+    ids, mask = _encode(export, messages)
+    want = _encode(dirs["markers"], messages)
+    assert ids.tolist() == want[0].tolist() and mask.tolist() == want[1].tolist()
 
 
 def test_mask_covers_exactly_the_assistant_turns(dirs):

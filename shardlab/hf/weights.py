@@ -219,8 +219,9 @@ def export_params(params, model, hf_dir: str | Path, dtype: str = "float32",
 GENERATION_FILE = "generation_config.json"
 
 
+# transformers 5 saves a tokenizer's chat template in chat_template.jinja, not in its config.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
-                   "special_tokens_map.json", "generation_config.json")
+                   "chat_template.jinja", "special_tokens_map.json", "generation_config.json")
 
 
 def copy_tokenizer(source: str | Path, hf_dir: str | Path) -> list[str]:
