@@ -18,6 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from shardlab.data import chat
 from shardlab.hf import config as hf_config
 from shardlab.hf import families
 from shardlab.hf import files as hf_files
@@ -219,9 +220,9 @@ def export_params(params, model, hf_dir: str | Path, dtype: str = "float32",
 GENERATION_FILE = "generation_config.json"
 
 
-# transformers 5 saves a tokenizer's chat template in chat_template.jinja, not in its config.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
-                   "chat_template.jinja", "special_tokens_map.json", "generation_config.json")
+# transformers 5 saves a tokenizer's chat template in its own file, not in its config.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", chat.CONFIG_FILE, chat.TEMPLATE_FILE,
+                   "special_tokens_map.json", GENERATION_FILE)
 
 
 def copy_tokenizer(source: str | Path, hf_dir: str | Path) -> list[str]:

@@ -291,7 +291,7 @@ def _hbm_traffic(memory: plan_memory.Memory, a, model, train, p: int) -> float:
   again where remat reruns the forward) per microbatch, saved activations written and read,
   logits, and the optimizer's read-modify-write of params, grads and state."""
   weights = memory.params + memory.gathered
-  again = train.remat in plan_comm.RECOMPUTE_ALL  # offload's forward runs again too
+  again = train.remat in remat_lib.RECOMPUTE_ALL  # offload's forward runs again too
   reads = (3 + (1 if again else 0)) * weights * train.microbatches
   acts = 2 * (memory.activations + a.logits * 4 * 2) * train.microbatches
   update = 2 * (memory.state + memory.grads)

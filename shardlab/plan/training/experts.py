@@ -19,6 +19,7 @@ import math
 
 import jax.numpy as jnp
 
+from shardlab import remat as remat_lib
 from shardlab.models import protocol
 from shardlab.plan.training import comm as plan_comm
 from shardlab.sharding import rules as rules_lib
@@ -84,7 +85,7 @@ def _dispatch(model, rules, mesh_shape: dict, global_batch: int, seq_len: int,
     rows = model.n_experts * model.capacity(int(tokens))
   else:
     rows = ep * model.experts_per_token * tokens
-  passes = 6 if remat in plan_comm.RECOMPUTE_ALL else 4
+  passes = 6 if remat in remat_lib.RECOMPUTE_ALL else 4
   moved = 0.0 if ep == 1 else passes * model.n_layers * rows * model.d_model * act_bytes
   return ep, axes, moved
 
