@@ -16,6 +16,7 @@ from shardlab.errors import ConfigError
 from shardlab.observe import progress, step_report
 from shardlab.plan.module import factory as factory_lib
 from shardlab.plan.training import layout as inspect_state
+from shardlab.runtime import compile_only
 from shardlab.training import combinations
 from shardlab.training import run as run_lib
 
@@ -60,7 +61,7 @@ def compiled_collectives(cfg, sh) -> tuple[list[str], object]:
   train_step = run_lib.make_steps(cfg, p.abstract, p.shardings)[0]
   args = run_lib.abstract_inputs(p.abstract, p.shardings, cfg)
   with progress.Activity("compiling the train step"):
-    compiled = train_step.lower(*args).compile()
+    compiled = compile_only.compile_lowered(train_step.lower(*args))
   report = step_report.report(compiled, p.mesh)
   return step_report.render(report, f"compiled train step on {n} {jax.devices()[0].platform} "
                                     f"device(s), per device"), report

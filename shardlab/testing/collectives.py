@@ -5,6 +5,7 @@ import jax
 from jax.sharding import Mesh
 
 from shardlab.observe import hlo, hlo_groups
+from shardlab.runtime import compile_only
 
 KINDS = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
          "all_reduce": "all-reduce", "all_to_all": "all-to-all",
@@ -15,7 +16,7 @@ def _hlo_text(program) -> str:
   if isinstance(program, str):
     return program
   if hasattr(program, "compile") and not hasattr(program, "as_text"):
-    program = program.compile()  # a Lowered
+    program = compile_only.compile_lowered(program)  # a Lowered
   if hasattr(program, "lower"):
     raise TypeError("pass a compiled or lowered program (jit(f).lower(*args).compile()), "
                     "or use assert_collectives(f, *args)")
@@ -44,7 +45,7 @@ def assert_collectives(program, *args, mesh: Mesh, forbid=(), **required) -> dic
   `program` is compiled/lowered, or a jitted function called with `args`. Returns the
   collectives found."""
   if args or hasattr(program, "lower"):
-    program = program.lower(*args).compile()
+    program = compile_only.compile_lowered(program.lower(*args))
   found = collectives(program, mesh)
   problems = []
   for key, axes in required.items():

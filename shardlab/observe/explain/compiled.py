@@ -4,7 +4,7 @@ its involuntary rematerialisations become rows."""
 
 import dataclasses
 
-from shardlab.runtime import jax_compat
+from shardlab.runtime import compile_only, jax_compat
 from shardlab.observe.xla_log import RematWarning, captured, warnings
 
 
@@ -32,7 +32,7 @@ def compiled_text(program, args) -> Compiled:
   err: list[str] = []
   # A persistent-cache hit would log no warnings, and its metadata may name another file.
   with jax_compat.fresh_compiles(), captured(err):
-    compiled = lowered.compile()
+    compiled = compile_only.compile_lowered(lowered)
   return Compiled(compiled.as_text(), lowered.as_text(debug_info=True), warnings(err[0]),
                   arguments(compiled), memory(compiled))
 

@@ -28,7 +28,7 @@ from shardlab.errors import ConfigError
 from shardlab.models import registry
 from shardlab.observe import step_report
 from shardlab.observe.step_report import StepReport
-from shardlab.runtime import devices as devices_lib, jax_compat
+from shardlab.runtime import compile_only, devices as devices_lib, jax_compat
 from shardlab.training import run as run_lib
 from shardlab.training import state as state_lib
 
@@ -119,9 +119,10 @@ def _compiled(train_step, abstract: state_lib.Abstract, shardings: state_lib.Sha
                                                       sharding=shardings.batch), batch)
   devices = shardings.mesh.devices.flat
   start = time.perf_counter()
-  with _compile_only(devices[0].platform):
-    compiled = train_step.lower(state, batch).compile(
-        {"xla_dump_to": str(dump)} if dump else None)
+  platform = devices[0].platform
+  with _compile_only(platform):
+    compiled = compile_only.compile_lowered(train_step.lower(state, batch), platform,
+                                            {"xla_dump_to": str(dump)} if dump else None)
   return compiled, time.perf_counter() - start
 
 

@@ -15,6 +15,7 @@ from shardlab.observe import step_report
 from shardlab.observe.step_report import StepReport
 from shardlab.plan.compiled import aot
 from shardlab.plan.serving import terms as inf
+from shardlab.runtime import compile_only
 from shardlab.runtime.units import MiB, gib
 
 PRECISION = {"fp32": "fp32", "bf16": "bf16-params"}  # weights dtype -> precision policy
@@ -43,7 +44,7 @@ def compile_lowered(lowered, mesh, where: str, platform: str) -> StepReport:
   """Compiles a lowered step (generate's decode) over `mesh`: the report of every compile."""
   start = time.perf_counter()
   with aot._compile_only(platform):
-    compiled = lowered.compile()
+    compiled = compile_only.compile_lowered(lowered, platform)
   return step_report.report(compiled, mesh, where, time.perf_counter() - start)
 
 
