@@ -194,10 +194,43 @@ def _never_fit(req: Request, model, acc, by_n: dict, seen: list) -> set[str]:
   return {s for s, ok in fits.items() if not ok}
 
 
-def _scan(req: Request, model, acc, bound: int, every_strategy: bool) -> tuple[dict, list]:
+class _Floors:
+  """Bytes a (strategy, mesh) holds at any microbatch count: everything but the activations
+  and the token batch (the state, and the gathered weights), from an estimate already made.
+  With more than one microbatch the state holds the fp32 gradient accumulator too, so a
+  floor found at one microbatch bounds every count and one found at more bounds every count
+  above one. Most of a fewest-devices scan's candidates at one count have a state larger
+  than the device (two thirds for llama3-70b on 80 GB GPUs) and are not estimated again at
+  the next; `skipped` keeps them, for the least-memory answer when nothing fits."""
+
+  def __init__(self):
+    self.floors: dict[tuple, tuple[float, bool]] = {}
+    self.skipped: list[tuple[int, str, object, float]] = []
+
+  def record(self, e: Estimate | None, microbatches: int, spec) -> None:
+    if e is not None:
+      m = e.memory
+      floor = m.total - m.activations - m.batch
+      key = (e.strategy, spec.describe())
+      if floor > self.floors.get(key, (0.0, False))[0]:
+        self.floors[key] = (floor, microbatches > 1)
+
+  def rules_out(self, strategy: str, spec, microbatches: int, usable: float) -> bool:
+    floor, accumulates = self.floors.get((strategy, spec.describe()), (0.0, False))
+    if floor > usable and (microbatches > 1 or not accumulates):
+      self.skipped.append((microbatches, strategy, spec, floor))
+      return True
+    return False
+
+
+def _scan(req: Request, model, acc, bound: int, every_strategy: bool,
+          floors: _Floors | None = None) -> tuple[dict, list]:
   """The fewest devices (<= bound) that fit at req.train.microbatches, per strategy (or only the
-  first to fit): ascending over every count a mesh can run on, stopping where it fits."""
+  first to fit): ascending over every count a mesh can run on, stopping where it fits.
+  `floors` (kept across scans at other microbatch counts) skips meshes that cannot fit."""
   by_n = candidates(req, model, acc, req.train.microbatches, bound)
+  floors = floors or _Floors()
+  m = req.train.microbatches
   seen: list = []
   total = sum(len(c) for c in by_n.values())
   # Ruling strategies out costs an estimate per fsdp size: worth it only for long scans.
@@ -212,8 +245,11 @@ def _scan(req: Request, model, acc, bound: int, every_strategy: bool) -> tuple[d
         break
       fitting: dict[str, list] = {}
       for strategy, spec in (c for c in cands if c[0] in pending):
+        if floors.rules_out(strategy, spec, m, acc.usable_bytes):
+          continue
         e = _try(req, model, acc, spec, strategy)
         seen.append(e)
+        floors.record(e, m, spec)
         if e is not None and e.fits:
           fitting.setdefault(strategy, []).append(e)
       activity.advance(len(cands))
@@ -252,7 +288,8 @@ def min_devices(req: Request, model, acc) -> tuple[dict, Estimate | None]:
   not only powers of two — the fastest fitting one reported) and overall, at the requested
   microbatch count; "any_microbatches": the fewest at any microbatch count that divides the
   batch. Plus the estimate with the least memory seen, for the error when nothing fits."""
-  found, seen = _scan(req, model, acc, MAX_DEVICES, every_strategy=True)
+  floors = _Floors()
+  found, seen = _scan(req, model, acc, MAX_DEVICES, every_strategy=True, floors=floors)
   out: dict = {s: (None if s not in found else
                    {k: v for k, v in _row(found[s]).items() if k != "strategy"})
                for s in STRATEGIES}
@@ -263,9 +300,21 @@ def min_devices(req: Request, model, acc) -> tuple[dict, Estimate | None]:
     if m == req.train.microbatches:
       continue
     bound = rows[0]["devices"] if rows else MAX_DEVICES
-    more, also = _scan(req.with_train(microbatches=m), model, acc, bound, False)
+    more, also = _scan(req.with_train(microbatches=m), model, acc, bound, False, floors)
     seen += also
     rows = [r for r in [_best(rows + [_row(e, m) for e in more.values()])] if r]
   out["any_microbatches"] = _best(rows)
+  return out, _least(req, model, acc, seen, floors.skipped)
+
+
+def _least(req: Request, model, acc, seen: list, skipped: list) -> Estimate | None:
+  """The estimate with the least memory of every one the scans made or skipped: a skipped
+  one is estimated where its floor is below the least seen (it might be less)."""
   least = min(seen, key=lambda e: e.memory.total) if seen else None
-  return out, least
+  for m, strategy, spec, floor in sorted(skipped, key=lambda s: s[3]):
+    if least is not None and floor >= least.memory.total:
+      break
+    e = _try(req.with_train(microbatches=m), model, acc, spec, strategy)
+    if e is not None and (least is None or e.memory.total < least.memory.total):
+      least = e
+  return least
