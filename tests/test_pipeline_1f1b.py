@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import helpers as H
 from shardlab.errors import ConfigError
 from shardlab.parallel import pipeline, schedule_1f1b
+from shardlab.runtime import compile_only
 from shardlab.sharding import mesh as mesh_lib, rules as rules_lib
 from shardlab.sharding.activations import activation_rules
 
@@ -159,7 +160,7 @@ def temp_bytes(loss_of, microbatches: int, wrt) -> int:
   shapes = jax.eval_shape(lambda: inputs(batch, width))
   f = jax.value_and_grad(functools.partial(loss_of, microbatches=microbatches,
                                            the_mesh=mesh()), argnums=wrt)
-  compiled = jax.jit(f).lower(*shapes).compile()
+  compiled = compile_only.compile_lowered(jax.jit(f).lower(*shapes))
   return compiled.memory_analysis().temp_size_in_bytes
 
 
