@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from shardlab.errors import ConfigError
 from shardlab.models.decoder import logits as logits_of
 from shardlab.parallel import cross_entropy, document_positions
-from shardlab.parallel import pipeline_1f1b_active, pipeline_1f1b_loss
+from shardlab.parallel import constrain, pipeline_1f1b_active, pipeline_1f1b_loss
 
 BATCH_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
 
@@ -50,7 +50,12 @@ def next_token_loss(model, batch, chunk: int = 0):
 
 
 def _cross_entropy_loss(model, hidden, batch, chunk: int):
-  inputs, targets_BxL, weights_BxL = _unpack(model, batch)
+  # The shifted views stay whole along the sequence, as the token batch is: split there (the
+  # residual stream's layout under sequence parallelism), `batch[:, 1:]` would cost a halo
+  # exchange between neighbouring devices; whole, each device slices its part where used.
+  whole = lambda x: None if x is None else constrain(x, ("batch", None))
+  inputs, targets_BxL, weights_BxL = jax.tree.map(whole, _unpack(model, batch),
+                                                  is_leaf=lambda x: x is None)
   cap = getattr(model, "final_softcap", None)
   if cap:  # the fused loss has no place for a soft-cap between the matmul and the softmax
     return _capped_cross_entropy(hidden(*inputs), model.output_head(), cap, targets_BxL,

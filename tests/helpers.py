@@ -40,6 +40,10 @@ MESHES = {
     "fsdp": "fsdp:-1",
     "tp": "data:2,tensor:4",
     "fsdp_tp": "fsdp:4,tensor:2",
+    # Sequence parallelism: tp's and fsdp_tp's weights, the residual stream split over tensor
+    # along the sequence (16 tokens: 4 a device on tensor:4).
+    "tp_sp": "data:2,tensor:4",
+    "fsdp_tp_sp": "fsdp:4,tensor:2",
 }
 STRATEGIES = tuple(MESHES)
 REFERENCE = ("dp", "data:1")  # one device: every spec resolves to replicated

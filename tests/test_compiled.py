@@ -11,6 +11,8 @@ mesh axes each replica group spans) and matched against the parameters:
            whole stack), gradients reduce-scattered.
   tp       activations all-reduced over `tensor`; weights stay split (no gather).
   fsdp_tp  weights gathered over `fsdp` only, activations all-reduced over `tensor` only.
+  tp_sp    tp's weights; the residual stream split over `tensor` along the sequence and
+           all-gathered before each matmul region.
 
 XLA:CPU has no pass that forms reduce-scatter: a gradient bound for a sharded layout is
 all-reduced whole and then sliced. The reduce-scatter tests therefore xfail on CPU (strictly,
@@ -231,6 +233,25 @@ def test_tp_all_reduces_activations_over_tensor_and_gathers_no_weights():
   for path, shape, spec in weights("tp"):
     split = local(shape, spec, r.mesh, {"tensor"})
     assert find("tp", "all-reduce", split, axes={"data"}), f"{path}: {split} over data"
+
+
+def test_tp_sp_gathers_the_sequence_over_tensor_and_gathers_no_weights():
+  """Sequence parallelism keeps the residual stream split over tensor along the sequence
+  and all-gathers it before each matmul region (attention, MLP: forward and backward);
+  tp keeps it whole and gathers no activation. The layer loop gathers no weight, as under
+  tp (outside it XLA may gather the embedding table, 256 × 128 here, whole: the masked
+  lookup's output it would reduce-scatter instead is as large for this model)."""
+  r = H.run("tp_sp")
+  cfg = r.cfg
+  batch_local = cfg.train.global_batch // r.mesh.shape["data"]
+  whole = (batch_local, cfg.train.seq_len, cfg.model.d_model)
+  split = (batch_local, cfg.train.seq_len // r.mesh.shape["tensor"], cfg.model.d_model)
+  gathered = find("tp_sp", "all-gather", whole, operand=split, axes={"tensor"})
+  assert sum(max(c.executions, 1) for c in gathered) >= 2 * cfg.model.n_layers, gathered
+  assert not find("tp", "all-gather", whole, axes={"tensor"})
+  for c in (c for c in ops("tp_sp", "all-gather") if c.executions >= cfg.model.n_layers):
+    for path, shape, spec in weights("tp_sp"):  # inside the layer loop
+      assert not any(same_shape(s, shape) for s in c.shapes), (path, c)
 
 
 def test_fsdp_tp_gathers_over_fsdp_and_reduces_activations_over_tensor():

@@ -126,6 +126,8 @@ HAND_WRITTEN = {
                  EMBED: (("tensor", "fsdp"),) * 2, HEAD: (("fsdp", "tensor"),) * 2},
                 ("fsdp", _)),
 }
+# Sequence parallelism splits activations, not weights: tp's and fsdp_tp's placements.
+HAND_WRITTEN |= {"tp_sp": HAND_WRITTEN["tp"], "fsdp_tp_sp": HAND_WRITTEN["fsdp_tp"]}
 
 
 @pytest.mark.parametrize("strategy", H.STRATEGIES)
