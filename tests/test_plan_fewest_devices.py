@@ -5,7 +5,7 @@ the ones the full scan gives."""
 import dataclasses
 
 from shardlab.models import registry
-from shardlab.plan.training import planner, search
+from shardlab.plan.training import fewest, planner
 from shardlab.runtime import hardware
 
 
@@ -17,12 +17,12 @@ def test_skipping_meshes_whose_state_cannot_fit_changes_no_answer(monkeypatch):
   acc = dataclasses.replace(hardware.get("a100-40g"), hbm_bytes=3e9)
   req = planner.Request.of(model=model, target="a100-40g", global_batch=64, seq_len=2048,
                            remat="none", devices=8)
-  rules_out, skipped = search._Floors.rules_out, []
-  monkeypatch.setattr(search._Floors, "rules_out",
+  rules_out, skipped = fewest._Floors.rules_out, []
+  monkeypatch.setattr(fewest._Floors, "rules_out",
                       lambda *args: skipped.append(rules_out(*args)) or skipped[-1])
   pruned, pruned_least = planner.min_devices(req, model, acc)
   assert sum(skipped) > 100  # the saving is real (808 meshes skipped here)
-  monkeypatch.setattr(search._Floors, "rules_out", lambda *args: False)
+  monkeypatch.setattr(fewest._Floors, "rules_out", lambda *args: False)
   full, full_least = planner.min_devices(req, model, acc)
   assert pruned == full
   assert pruned["any_microbatches"]["microbatches"] > 1  # the later scans did run

@@ -104,9 +104,16 @@ class Pool:
   def kill(self) -> None:
     # ProcessPoolExecutor has no public kill before Python 3.14 (terminate_workers).
     procs = list((getattr(self.pool, "_processes", None) or {}).values())
+    manager = getattr(self.pool, "_executor_manager_thread", None)
     self.pool.shutdown(wait=False, cancel_futures=True)
     for p in procs:
       if p.is_alive():
         p.kill()
+    # The pool's manager thread sees its workers gone and closes its wake-up pipe. Joined
+    # here, it cannot be closing that pipe while concurrent.futures' exit hook writes to it
+    # (without a lock): a race that, on a loaded machine, printed an EBADF traceback after
+    # the command's one-line "interrupted" message.
+    if manager is not None:
+      manager.join(timeout=30)
     for p in procs:
       p.join(timeout=5)

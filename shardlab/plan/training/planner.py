@@ -22,7 +22,8 @@ from shardlab.plan.training.estimate import (MAX_DEVICES, STRATEGIES, Estimate, 
                                              split_ici_dcn)
 from shardlab.plan.training.request import PLANNER_TRAIN, Request, run_config, train_config
 from shardlab.plan.training.scaling import thresholds
-from shardlab.plan.training.search import factorizations, min_devices, search
+from shardlab.plan.training.fewest import min_devices
+from shardlab.plan.training.search import factorizations, search
 from shardlab.runtime import hardware
 from shardlab.runtime.units import gib
 from shardlab.training import precision as precision_lib
