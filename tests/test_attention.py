@@ -167,8 +167,8 @@ def test_tpu_path_compiles_to_the_splash_kernel_for_v5e():
   k = jax.ShapeDtypeStruct((8, 1024, 2, 128), jnp.bfloat16, sharding=sharding)
   loss = lambda q, k, v: attention.causal(q, k, v, platform="tpu").astype(jnp.float32).sum()
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-  with activation_rules(mesh, rules_lib.strategy("tp")), aot._compile_only("tpu"):
-    text = step.lower(q, k, k).compile().as_text()
+  with activation_rules(mesh, rules_lib.strategy("tp")):
+    text = compile_only.compile_lowered(step.lower(q, k, k), "tpu").as_text()
   assert text.count("tpu_custom_call") >= 3, text.count("tpu_custom_call")
   assert "all-gather" not in text
 
@@ -237,8 +237,8 @@ def test_compute_dtype_scores_hold_a_third_of_the_score_bytes_on_tpu():
   def temp(scores):
     loss = lambda q, k, v: dense(scores)(q, k, v).astype(jnp.float32).sum()  # noqa: E731
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-    with aot._compile_only("tpu"):
-      return step.lower(q, q, q).compile().memory_analysis().temp_size_in_bytes
+    compiled = compile_only.compile_lowered(step.lower(q, q, q), "tpu")
+    return compiled.memory_analysis().temp_size_in_bytes
 
   fp32, compute = temp("fp32"), temp("compute")
   assert 6 * scores_bytes <= fp32 < 6.1 * scores_bytes, fp32 / scores_bytes

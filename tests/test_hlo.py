@@ -350,7 +350,7 @@ def test_an_instruction_spanning_lines_does_not_end_its_computation():
   every instruction line is read, and the dot FLOPs are the matmul's exactly."""
   from shardlab.observe import hlo_flops, hlo_text
   from shardlab.parallel import flash
-  from shardlab.plan.compiled import aot
+  from shardlab.runtime import compile_only
   from shardlab.sharding import rules as rules_lib
   from shardlab.sharding.activations import activation_rules
   mesh = Mesh(np.array(_tpu_devices()).reshape(4, 2), ("data", "tensor"))
@@ -363,8 +363,8 @@ def test_an_instruction_spanning_lines_does_not_end_its_computation():
     out = flash.causal(q, k, v, platform="tpu")
     return jnp.einsum("blhd,df->blhf", out, w, preferred_element_type=jnp.float32).sum()
 
-  with activation_rules(mesh, rules_lib.strategy("tp")), aot._compile_only("tpu"):
-    text = jax.jit(f).lower(q, k, k, w).compile().as_text()
+  with activation_rules(mesh, rules_lib.strategy("tp")):
+    text = compile_only.compile_lowered(jax.jit(f).lower(q, k, k, w), "tpu").as_text()
   assert "kernel_metadata={\n" in text  # the case: an attribute that spans lines
   computations, _ = hlo.parse(text)
   lines = [l for l in text.splitlines() if hlo_text._INSTRUCTION.match(l)]
@@ -378,16 +378,15 @@ def test_estimated_cycles_count_a_loop_body_once_per_trip():
   layers costs a + n·b, so going from 4 to 8 layers adds twice what going from 2 to 4 did
   (compiled.cost_analysis() counts the body once, whatever n). XLA:CPU writes no estimate."""
   from shardlab.observe import hlo_cycles
-  from shardlab.plan.compiled import aot
+  from shardlab.runtime import compile_only
   mesh = Mesh(np.array(_tpu_devices()).reshape(8), ("data",))
 
   def program(n: int, on) -> str:
     x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=NamedSharding(on, P("data")))
     w = jax.ShapeDtypeStruct((n, 512, 512), jnp.bfloat16, sharding=NamedSharding(on, P()))
     layer = lambda x, w: (jnp.tanh(x @ w), None)
-    with aot._compile_only(on.devices.flat[0].platform):
-      return jax.jit(lambda x, ws: jax.lax.scan(layer, x, ws)[0].sum()).lower(x, w) \
-          .compile().as_text()
+    lowered = jax.jit(lambda x, ws: jax.lax.scan(layer, x, ws)[0].sum()).lower(x, w)
+    return compile_only.compile_lowered(lowered, on.devices.flat[0].platform).as_text()
 
   c2, c4, c8 = (hlo_cycles.estimated_cycles(program(n, mesh)) for n in (2, 4, 8))
   assert 0 < c2 < c4 < c8

@@ -12,7 +12,6 @@ The report holds XLA's per-device memory analysis and the collectives in the opt
     (the subprocess form)
 """
 
-import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -119,10 +118,8 @@ def _compiled(train_step, abstract: state_lib.Abstract, shardings: state_lib.Sha
                                                       sharding=shardings.batch), batch)
   devices = shardings.mesh.devices.flat
   start = time.perf_counter()
-  platform = devices[0].platform
-  with _compile_only(platform):
-    compiled = compile_only.compile_lowered(train_step.lower(state, batch), platform,
-                                            {"xla_dump_to": str(dump)} if dump else None)
+  compiled = compile_only.compile_lowered(train_step.lower(state, batch), devices[0].platform,
+                                          {"xla_dump_to": str(dump)} if dump else None)
   return compiled, time.perf_counter() - start
 
 
@@ -152,24 +149,6 @@ def compile_on_tpu(cfg: Config, prefix: str, n_chips: int, num_slices: int = 1,
   devices, name = tpu_devices(prefix, n_chips, num_slices)
   where = f"tpu {name}" + (f" x{num_slices} slices" if num_slices > 1 else "")
   return compile_step(cfg, devices, where, dump)
-
-
-@contextlib.contextmanager
-def _compile_only(platform: str):
-  """A compile-only executable (a TPU topology here, no TPU client) cannot be reloaded from
-  JAX's persistent cache, so the cache is bypassed rather than filled with entries that only
-  warn when read. JAX decides once per process whether the cache is on, hence the resets."""
-  if platform == "cpu":
-    yield
-    return
-  cached = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", False)
-  jax_compat.reset_compilation_cache()
-  try:
-    yield
-  finally:
-    jax.config.update("jax_enable_compilation_cache", cached)
-    jax_compat.reset_compilation_cache()
 
 
 def _strip_device_count(flags: str) -> str:

@@ -62,8 +62,8 @@ def _never_fit(req: Request, model, acc, by_n: dict, seen: list) -> set[str]:
   """Strategies nothing fits under. Memory only falls as the data or tensor axis grows (by a
   multiple) with fsdp and context fixed — every term is divided by them or independent of
   them — so for each fsdp and context size the mesh with the largest data and tensor axes
-  bounds all the others. (Not fsdp or context: at 1 nothing is gathered.) A strategy is ruled out only when every such mesh is
-  valid and does not fit."""
+  bounds all the others. (Not fsdp or context: at 1 nothing is gathered.) A strategy is
+  ruled out only when every such mesh is valid and does not fit."""
   groups: dict[tuple, list] = {}
   for cands in by_n.values():
     for strategy, spec in cands:
@@ -93,11 +93,11 @@ class _Floors:
     self.floors: dict[tuple, tuple[float, bool]] = {}
     self.skipped: list[tuple[int, str, object, float]] = []
 
-  def record(self, e: Estimate | None, microbatches: int, spec) -> None:
+  def record(self, e: Estimate | None, microbatches: int) -> None:
     if e is not None:
       m = e.memory
       floor = m.total - m.activations - m.batch
-      key = (e.strategy, spec.describe())
+      key = (e.strategy, e.mesh)  # the mesh as spec.describe() writes it
       if floor > self.floors.get(key, (0.0, False))[0]:
         self.floors[key] = (floor, microbatches > 1)
 
@@ -135,7 +135,7 @@ def _scan(req: Request, model, acc, bound: int, every_strategy: bool,
           continue
         e = try_estimate(req, model, acc, spec, strategy)
         seen.append(e)
-        floors.record(e, m, spec)
+        floors.record(e, m)
         if e is not None and e.fits:
           fitting.setdefault(strategy, []).append(e)
       activity.advance(len(cands))
