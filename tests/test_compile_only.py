@@ -1,12 +1,17 @@
 """Compiles made only to be read (the planner's compile checks, inspect, explain, the testing
 helpers) skip LLVM's optimisations on CPU: what they read must be what a run compiles."""
 
+import re
+
 import jax
 
 import helpers as H
 from shardlab.plan.compiled import aot
 from shardlab.runtime import compile_only, jax_compat
 
+# Source locations, not the program: their stack-frame numbering differed between the two
+# compiles of one lowering once in CI (same ops, same order, other frame ids).
+METADATA = re.compile(r", metadata=\{[^}]*\}")
 MEMORY = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
           "temp_size_in_bytes")
 
@@ -24,7 +29,7 @@ def test_a_compile_to_read_sees_the_program_a_run_compiles():
   # locations of whichever test compiled it first.
   with jax_compat.fresh_compiles():
     read, ran = compile_only.compile_lowered(lowered, "cpu"), lowered.compile()
-  assert read.as_text() == ran.as_text()
+  assert METADATA.sub("", read.as_text()) == METADATA.sub("", ran.as_text())
   assert _memory(read) == _memory(ran)
 
 
