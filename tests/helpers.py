@@ -98,13 +98,16 @@ class Run:
     return run_lib.make_steps(self.cfg, self.abstract, self.sh)[0]
 
   @functools.cached_property
-  def lowered_step(self):
-    abstract = self.abstract.state
+  def abstract_args(self) -> tuple:
+    """The step's (state, batch) as shapes with their shardings."""
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         abstract, self.sh.state)
+                         self.abstract.state, self.sh.state)
     shape = (self.cfg.train.global_batch, self.cfg.train.seq_len + 1)
-    batch = jax.ShapeDtypeStruct(shape, np.int32, sharding=self.sh.batch)
-    return self.train_step.lower(state, batch)
+    return state, jax.ShapeDtypeStruct(shape, np.int32, sharding=self.sh.batch)
+
+  @functools.cached_property
+  def lowered_step(self):
+    return self.train_step.lower(*self.abstract_args)
 
   @functools.cached_property
   def compiled_step(self):

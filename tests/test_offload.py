@@ -69,13 +69,36 @@ def memory_kinds_of_shardings(tree) -> set[str]:
   return {s.memory_kind for s in jax.tree.leaves(tree)}
 
 
+def host_transfers(jaxpr) -> list[tuple[str, tuple]]:
+  """(memory space, shape) of each device_put to a memory space in `jaxpr`, nested ones
+  (the layer scan's body, the remat's) included: how remat offload saves a residual."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "device_put":
+      found += [(space.name, v.aval.shape) for space, v in zip(eqn.params["devices"], eqn.invars)
+                if getattr(space, "name", None) in ("Host", "Device")]
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found += host_transfers(sub)
+  return found
+
+
+def traced_step(run):
+  return run.train_step.jitted.trace(*run.abstract_args).jaxpr.jaxpr
+
+
 def test_remat_offload_matches_no_remat():
   """Keeping layer inputs on the host changes where a residual lives, not what is computed
-  (the layers' forward runs again in the backward, as under full remat). On CPU jax lowers
-  the policy without its host transfer, so this checks the arithmetic only: that the inputs
-  do go to the host is the TPU lowering test's below."""
+  (the layers' forward runs again in the backward, as under full remat). The traced step
+  sends each layer's input to the host and brings it back, once each (full remat: neither);
+  jax's CPU lowering drops those transfers (only TPU and GPU lower memory spaces), so the
+  arithmetic is checked here and the transfers' lowering in the TPU test below."""
   plain = H.run("fsdp")
   offloaded = H.run("fsdp", remat="offload")
+  layer_input = (offloaded.cfg.train.global_batch, offloaded.cfg.train.seq_len,
+                 offloaded.cfg.model.d_model)
+  assert host_transfers(traced_step(offloaded)) == [("Host", layer_input),
+                                                    ("Device", layer_input)]
+  assert host_transfers(traced_step(H.run("fsdp", remat="full"))) == []
   init = to_numpy(plain.init)
   want, want_history = train(plain, init)
   got, history = train(offloaded, init)
