@@ -58,15 +58,14 @@ class MoEConfig(LlamaConfig):
   @property
   def saved_activations(self) -> dict:
     """As llama's (models/llama_config.py), with the experts' rows in place of the MLP's:
-    r rows a token (k dropless; capacity_factor · k slots in capacity mode), each keeping
-    SwiGLU's three F-wide residuals and four D-wide copies (dispatched, exchanged, the
-    experts' output and its return), plus the k rows gathered for the combine. Dropless
-    under expert parallelism pads its exchange to N× this (shardlab.parallel.experts), which the
-    config cannot see: the planner underestimates it (docs/moe.md)."""
+    each dispatched row (`expert_*`: the planner multiplies by the rows per token, which
+    under dropless dispatch grow with the expert-parallel degree, shardlab/parallel/
+    dispatch.py) keeps SwiGLU's three F-wide residuals and four D-wide copies (dispatched,
+    exchanged, the experts' output and its return); each token the k rows gathered for the
+    combine."""
     k = self.experts_per_token
-    rows = k * (self.capacity_factor if self.dispatch == "capacity" else 1)
-    return {"d": (0, 4 + 4 * rows + k), "q": (0, 2), "kv": (0, 2), "scores": (0, 1),
-            "mlp": (0, 3 * rows)}
+    return {"d": (0, 4 + k), "q": (0, 2), "kv": (0, 2), "scores": (0, 1),
+            "expert_d": (0, 4), "expert_mlp": (0, 3)}
 
   # The experts' matmuls are batched over the experts and carry no names: no remat policy
   # keeps them, only attention's projections (and the router's fp32 B×L×E logits, which

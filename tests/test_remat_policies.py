@@ -17,6 +17,7 @@ from shardlab.errors import ConfigError
 from shardlab.models import registry
 from shardlab.plan.training import memory as plan_memory
 from shardlab.plan.training import recompute
+from shardlab.plan.training.activations import ActivationShapes
 
 B, L = 2, 32
 FAMILIES = ("tiny", "gpt2-tiny", "gemma2-tiny", "gemma3-tiny", "qwen2-tiny", "phi3-tiny",
@@ -45,7 +46,7 @@ def residual_bytes(m, remat: str) -> int:
 def planned_bytes(m, remat: str) -> float:
   """The planner's device (the layer stack's) plus host bytes, one device, fp32."""
   d, q, kv = B * L * m.d_model, B * L * m.n_heads * m.head_dim, B * L * m.n_kv_heads * m.head_dim
-  a = plan_memory.ActivationShapes(d=d, residual=d, q=q, kv=kv, scores=B * m.n_heads * L * L,
+  a = ActivationShapes(d=d, residual=d, q=q, kv=kv, scores=B * m.n_heads * L * L,
                                    mlp=B * L * m.mlp_dim, logits=0, tokens=0, positions=0)
   return (plan_memory.stack_saved_bytes(a, 4, remat, m) +
           plan_memory.offloaded_activation_bytes(m, a, 4, remat))
@@ -75,7 +76,7 @@ def test_offloading_policies_keep_on_the_host_what_the_others_keep_on_the_device
   """qkv-proj-offloaded keeps save-qkv-proj's residuals in host memory, minimal-offloaded
   save-matmul-outputs'; on the device each keeps full remat's layer inputs."""
   m = registry.load("tiny")
-  a = plan_memory.ActivationShapes(d=100, residual=100, q=60, kv=20, scores=500, mlp=300,
+  a = ActivationShapes(d=100, residual=100, q=60, kv=20, scores=500, mlp=300,
                                    logits=0, tokens=0, positions=0)
   device = {r: plan_memory.layer_saved_bytes(a, 2, r, m) for r in REMATTED}
   host = {r: plan_memory.offloaded_activation_bytes(m, a, 2, r) for r in REMATTED}

@@ -31,7 +31,7 @@ from shardlab import remat as remat_lib
 from shardlab.sharding import rules as rules_lib
 from shardlab.training.state import path_of
 from shardlab.runtime.hardware import Accelerator
-from shardlab.plan.training.memory import ActivationShapes
+from shardlab.plan.training.activations import ActivationShapes
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
 EMBEDDING = ("vocab", "embed")  # a tied table: looked up and used as the output head

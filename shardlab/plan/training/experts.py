@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from shardlab import remat as remat_lib
 from shardlab.models import protocol
-from shardlab.plan.training import comm as plan_comm
+from shardlab.plan.training import activations, comm as plan_comm
 from shardlab.sharding import rules as rules_lib
 from shardlab.training import precision as precision_lib
 from shardlab.runtime.units import gib
@@ -81,10 +81,7 @@ def _dispatch(model, rules, mesh_shape: dict, global_batch: int, seq_len: int,
   axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
   ep = _factor(entry, mesh_shape)
   tokens = global_batch * seq_len / math.prod(mesh_shape.get(a, 1) for a in rules.token_axes)
-  if model.dispatch == "capacity":
-    rows = model.n_experts * model.capacity(int(tokens))
-  else:
-    rows = ep * model.experts_per_token * tokens
+  rows = tokens * activations.expert_rows_per_token(model, tokens, ep)
   passes = 6 if remat in remat_lib.RECOMPUTE_ALL else 4
   moved = 0.0 if ep == 1 else passes * model.n_layers * rows * model.d_model * act_bytes
   return ep, axes, moved

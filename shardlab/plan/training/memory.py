@@ -18,12 +18,11 @@ from shardlab import remat as remat_lib
 from shardlab.config import TrainConfig
 from shardlab.models import protocol
 from shardlab.plan.training import recompute
-from shardlab.parallel import flash as attention
+from shardlab.plan.training.activations import ActivationShapes, activation_shapes
 from shardlab.plan.training.shards import (  # noqa: F401 (re-exported)
     dim_shards, itemsize, shard_elems, tree_shard_bytes)
 
 GB = 1e9
-FLASH_BLOCK = 512  # the query/key block of parallel/flash.py and parallel/ring.py
 # Flash attention's custom-VJP residuals beyond the layer's own (its head-major copies of q
 # and the output, of k and v), and the fp32 block tiles its backward holds at once.
 FLASH_SAVED_Q, FLASH_SAVED_KV, FLASH_TILES, RING_TILES = 2, 2, 5, 10
@@ -62,73 +61,9 @@ class Memory:
     return d
 
 
-@dataclasses.dataclass(frozen=True)
-class ActivationShapes:
-  """Per-device element counts of one microbatch's activations (one layer where per-layer)."""
-  d: int  # B×L×D whole over `tensor` (what the attention and MLP matmuls read)
-  # The residual stream (layer input, norm inputs and outputs) as the rules split it: `d`,
-  # or 1/tensor of it under sequence parallelism (the `residual_length` rule).
-  residual: int
-  q: int  # B×L×H×E
-  kv: int  # B×L×K×E
-  scores: int  # B×H×L×L
-  mlp: int  # B×L×F
-  logits: int  # B×L×V
-  tokens: int  # B×(L+1) int32
-  positions: int  # B×L: per-token positions and segment ids, split as the sequence is
-  head: int = 0  # D×V: the head's weight gradient where it is computed (before reduction)
-  # Flash attention (blockwise, or ring under context parallelism): `scores` is then one
-  # block pair's tile, B×H×C×C, never the whole L×L.
-  flash: bool = False
-  context: int = 1  # devices the sequence is split over (the `length` rule's mesh axes)
-  # The dense path's scores, softmax and score gradient in the compute dtype, not fp32
-  # (model.attention_scores="compute": parallel/softmax.py).
-  compute_scores: bool = False
-  ring: bool = False  # the KV exchange, when context > 1: ring, else all-gather
-
-
 # What autodiff saves per layer (`saved_activations`) and the matmul outputs remat keeps
 # (`saved_matmul_outputs`) come from the model's config: a model without them is refused
 # (shardlab.models.protocol.get), not given another model's counts.
-
-
-def attention_kind(m, platform: str) -> str:
-  """"flash" or "xla": what model.attention runs as on `platform` (shardlab/parallel/flash.py)."""
-  return attention.resolve(protocol.get(m, "attention"), platform)
-
-
-def activation_shapes(m, micro_batch: int, seq_len: int, table: dict, mesh,
-                      platform: str = "cpu") -> ActivationShapes:
-  b, s = micro_batch, seq_len
-  g = m.n_heads // m.n_kv_heads
-
-  def n(shape, names, what):
-    return shard_elems(shape, names, table, mesh, f"activation {what} {names}")
-
-  context = dim_shards(("batch", "length"), (b, s), 1, table, mesh)
-  flash = attention_kind(m, platform) == "flash"
-  if flash:  # one query block's tile against one key block
-    tile = min(FLASH_BLOCK, s // context)
-    scores = n((b, m.n_kv_heads, g, tile * context, tile),
-               ("batch", "kv_heads", None, "length", None), "score tile")
-  else:
-    scores = n((b, m.n_kv_heads, g, s, s), ("batch", "kv_heads", None, "length", None),
-               "scores")
-  return ActivationShapes(
-      d=n((b, s, m.d_model), ("batch", "length", "embed"), "x"),
-      residual=n((b, s, m.d_model), ("batch", "residual_length", "embed"), "residual"),
-      q=n((b, s, m.n_heads, m.head_dim), ("batch", "length", "heads", "head_dim"), "q"),
-      kv=n((b, s, m.n_kv_heads, m.head_dim), ("batch", "length", "kv_heads", "head_dim"), "k"),
-      scores=scores,
-      mlp=n((b, s, m.mlp_dim), ("batch", "length", "mlp"), "h"),
-      logits=n((b, s, m.vocab_size), ("batch", "length", "vocab"), "logits"),
-      tokens=n((b, s + 1), ("batch", None), "tokens"),  # the batch splits rows only
-      positions=n((b, s), ("batch", "length"), "positions"),
-      head=n((m.d_model, m.vocab_size), ("embed", "vocab"), "head gradient"),
-      flash=flash, context=context,
-      compute_scores=protocol.get(m, "attention_scores") == "compute",
-      ring=context > 1 and protocol.get(m, "kv_exchange") == "ring",
-  )
 
 
 def _saved_by_shape(a: ActivationShapes, p: int, m) -> dict[str, float]:
@@ -163,6 +98,11 @@ def layer_saved_bytes(a: ActivationShapes, p: int, remat: str, m) -> float:
   return _carry(a, p, remat) + kept + recompute.projection_bytes(a, p, m, policy.saved)
 
 
+def _mlp_rows(a: ActivationShapes) -> float:
+  """F-wide elements of one layer's MLP: its token rows', or a mixture of experts' rows."""
+  return max(a.mlp, a.expert_mlp)
+
+
 def layer_backward_transient(a: ActivationShapes, p: int, remat: str, m,
                              platform: str = "cpu") -> float:
   """Peak extra bytes while one layer runs backward, beyond what the layers keep.
@@ -185,9 +125,10 @@ def layer_backward_transient(a: ActivationShapes, p: int, remat: str, m,
   group, extra = scan_step_layers(m), _backward_extra(a, p, m)
   if remat == "none":
     read_out = (group - 1) * layer_saved_bytes(a, p, remat, m) if m.n_layers > group else 0
-    return group * (max(a.mlp * 3 * p, _attention_backward(a, p)) + a.d * 2 * p +
+    return group * (max(_mlp_rows(a) * 3 * p, _attention_backward(a, p)) + a.d * 2 * p +
                     extra) + read_out
-  part = dict.fromkeys(("d", "q", "kv", "scores", "mlp"), 0.0) | _saved_by_shape(a, p, m)
+  part = dict.fromkeys(("d", "q", "kv", "scores", "mlp", "expert_d", "expert_mlp"), 0.0)
+  part |= _saved_by_shape(a, p, m)
   if a.flash:
     scores = part["scores"] + _attention_backward(a, p)
   elif platform == "tpu":
@@ -195,7 +136,8 @@ def layer_backward_transient(a: ActivationShapes, p: int, remat: str, m,
   else:
     scores = part["scores"] + a.scores * 10
   attention = part["q"] + part["kv"] + scores
-  rebuilt = part["d"] + max(part["mlp"] + a.mlp * 3 * p, attention) + extra
+  mlp = part["mlp"] + part["expert_d"] + part["expert_mlp"] + _mlp_rows(a) * 3 * p
+  rebuilt = part["d"] + max(mlp, attention) + extra
   kept = group * layer_saved_bytes(a, p, remat, m) - (group - 1) * _carry(a, p, remat)
   return max(group * rebuilt - kept, 0.0)
 

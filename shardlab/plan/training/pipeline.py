@@ -32,7 +32,7 @@ import math
 import jax
 
 from shardlab.parallel import pipeline
-from shardlab.plan.training import memory as plan_memory
+from shardlab.plan.training import activations, memory as plan_memory
 from shardlab.plan.training.comm import Transfer
 from shardlab.sharding import rules as rules_lib
 from shardlab.runtime.units import gib
@@ -91,7 +91,7 @@ def estimate(m, train, rules: rules_lib.Rules, mesh, p: int, layer_bytes: float,
   pipeline.check(m.n_layers, stages, repeats, micro, train.global_batch)
   iterations = pipeline.iterations(stages, micro, repeats)
   per_group = m.n_layers // (stages * repeats)
-  a = plan_memory.activation_shapes(m, train.global_batch // micro, train.seq_len,
+  a = activations.activation_shapes(m, train.global_batch // micro, train.seq_len,
                                     rules.activations, mesh, platform)
   saved = iterations * per_group * plan_memory.layer_saved_bytes(a, p, train.remat, m)
   activation = a.d * p  # one microbatch's b×L×D on this device
@@ -127,7 +127,7 @@ def fold(model, train, rules, mesh, p: int, abstract, sh, platform: str, memory,
                   platform)
   if pipe is None:
     return memory, transfers, compute_s, None
-  a = plan_memory.activation_shapes(model, train.global_batch // train.microbatches,
+  a = activations.activation_shapes(model, train.global_batch // train.microbatches,
                                     train.seq_len, rules.activations, mesh, platform)
   loop_saved = model.n_layers * plan_memory.layer_saved_bytes(a, p, train.remat, model)
   memory = dataclasses.replace(memory, activations=memory.activations - loop_saved

@@ -9,7 +9,7 @@ from shardlab.models import protocol
 
 def matmul_output_bytes(a, p: int, m) -> float:
   """Every weight matmul output the backward reads (`saved_matmul_outputs`), one layer;
-  `a`: plan.training.memory.ActivationShapes."""
+  `a`: plan.training.activations.ActivationShapes."""
   outs = protocol.get(m, "saved_matmul_outputs")
   return sum(getattr(a, k) * n * p for k, n in outs.items())
 
