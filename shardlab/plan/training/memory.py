@@ -107,8 +107,9 @@ def layer_backward_transient(a: ActivationShapes, p: int, remat: str, m,
                              platform: str = "cpu") -> float:
   """Peak extra bytes while one layer runs backward, beyond what the layers keep.
 
-  Without remat: the largest cotangents (SwiGLU's three F-wide gradients, or attention's fp32
-  score gradient and its cast) plus two residual-stream gradients. With remat: the layer's
+  Without remat: the largest cotangents (SwiGLU's three F-wide gradients, a mixture of
+  experts' at its dispatched rows; or attention's fp32 score gradient and its cast) plus two
+  residual-stream gradients. With remat: the layer's
   residuals rebuilt, live while its backward runs — the residual stream's throughout, then
   the MLP's with its three F-wide gradients, then attention's with the fp32 scores and their
   gradient beside the kept probabilities (fitted to XLA:CPU's buffer assignment across the
