@@ -36,8 +36,12 @@ KNOWN = {
     # Measured 0.86: under fsdp_tp XLA gathers more than the weights for tiny (vocab 256,
     # d_model 128); not yet broken down (0.5 MB of 3.8 MB).
     ("tiny", "fsdp_tp", "all-gather"): (0.80, 0.90),
-    # Measured 0.75: tiny's rebuilt layer under full remat (4 × 128 tokens a device) holds
-    # more than the formula's transient; the real presets' grid (below) is within 15%.
+    # Measured 0.74 (10.10 of 13.69 MB). At XLA:CPU's peak, the MLP's backward in a rebuilt
+    # layer (the "Live ranges at N (peak)" list of the step's *-live-range.txt dump), the
+    # layer's recomputed attention probabilities are still live, in two layouts (2 × 1 MB,
+    # B×H×L×L fp32), beside the MLP's three F-wide buffers: the formula counts one phase at
+    # a time. That is 2.1 MB of the 3.6 MB gap; the rest is not broken down. The real
+    # presets' grid (below) is within 15%.
     ("tiny", "fsdp", "full", "total"): (0.70, 0.80),
     # Measured 0.82: the same transient (0.71 for this row at full remat); the matmul outputs
     # the policy keeps are the planner's to the byte (tests/test_remat_policies.py).
