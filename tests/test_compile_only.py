@@ -23,8 +23,8 @@ def _memory(compiled) -> dict:
 
 
 def test_a_compile_to_read_sees_the_program_a_run_compiles():
-  """fsdp over 8 devices (collectives, a layer scan, donation): the same optimised HLO and
-  the same bytes per device as the default compile."""
+  """fsdp over 8 devices (collectives, a layer scan, donation): the same collectives and the
+  same bytes per device as the default compile."""
   lowered = H.run("fsdp").lowered_step
   # Compiled here, both: an executable from the persistent cache carries the source
   # locations of whichever test compiled it first.
