@@ -6,18 +6,23 @@ bitwise; the sharded init is the exception and must be bitwise identical.
 
 Compiling dominates the run time on CPU (a few seconds per program, executing is ~0.1 s),
 so each strategy compiles two train steps: AdamW on the whole batch, and Adafactor with
-4 microbatches. Each is compared with the one-device whole-batch run of its optimizer, and
-one device checks separately that 4 microbatches equal the whole batch for both optimizers,
-so a failure points at sharding, at accumulation or at the optimizer.
+4 microbatches under full remat (each layer's gradient is then added into the accumulator
+inside the layer scan's backward pass: shardlab/parallel/accumulate.py). Each is compared
+with the one-device whole-batch run of its optimizer, and one device checks separately that
+4 microbatches equal the whole batch for both optimizers (without remat: the accumulator
+takes each microbatch's whole gradient), so a failure points at sharding, at accumulation
+or at the optimizer.
 """
 
 import functools
+from unittest import mock
 
 import jax
 import numpy as np
 import pytest
 
 import helpers as H
+from shardlab.parallel import accumulate
 
 STEPS = 3
 # fp32: 1e-5 relative, plus 1e-5 of the leaf's largest magnitude for elements near zero
@@ -113,7 +118,10 @@ def test_adamw_steps_match_one_device(strategy):
 
 @pytest.mark.parametrize("strategy", H.STRATEGIES)
 def test_adafactor_with_microbatches_matches_one_device_whole_batch(strategy):
-  r = H.run(strategy, optimizer="adafactor", microbatches=4)
+  r = H.run(strategy, optimizer="adafactor", microbatches=4, remat="full")
+  with mock.patch.object(accumulate, "run", wraps=accumulate.run) as into_accumulator:
+    r.train_step.jitted.trace(*r.abstract_args)  # the layer stack accumulates in place
+  assert into_accumulator.call_count == 1
   final, history = r.train(r.fresh_state(like=initial("adafactor")), STEPS)
   want, want_history = reference_steps("adafactor", microbatches=1)
   assert_history_close(history, want_history, rtol=1e-5, what=strategy)

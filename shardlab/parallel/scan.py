@@ -19,6 +19,7 @@ from flax import nnx
 from shardlab import remat as remat_lib
 from shardlab.errors import ConfigError, unknown
 from shardlab.remat import LAYER_INPUT
+import shardlab.parallel.accumulate as accumulate
 import shardlab.parallel.context as context
 import shardlab.parallel.pipeline as pipeline
 from shardlab.sharding.activations import pipeline_schedule, step_context
@@ -56,20 +57,29 @@ def scan(layers: nnx.Module, x, args: tuple, call: Call, remat: str = "none",
   if per_layer is None and where is not None:  # the rules split `layers` over `stage`
     return _pipelined(graphdef, stacked, x, args, call, remat, where, stats), None, stats
 
-  def body(carry, inputs):
+  def one_layer(layer_state, carry, layer_args, layer_slice=None):
     h, totals = carry
-    layer_state, layer_slice = inputs
     # Every use reads the named copy, so under remat "offload" the input itself is no
     # residual: only its host copy is.
     h = checkpoint_name(h, LAYER_INPUT)
-    h, new_slice, layer_stats = call(nnx.merge(graphdef, layer_state), h, args, layer_slice)
+    h, new_slice, layer_stats = call(nnx.merge(graphdef, layer_state), h, layer_args,
+                                     layer_slice)
     if totals is not None:
       totals = {k: totals[k] + layer_stats[k] for k in totals}
     return (h, totals), new_slice
 
+  def body(carry, inputs):
+    return one_layer(inputs[0], carry, args, inputs[1])
+
+  zeros = None if stats is None else {k: jnp.asarray(v, jnp.float32) for k, v in stats.items()}
+  registry = accumulate.active() if remat == "full" and per_layer is None else None
+  into = registry and registry.take(jax.tree.leaves(stacked))
+  if into:  # the step accumulates microbatches: into the accumulator, layer by layer
+    x, totals = accumulate.run(lambda *a: one_layer(*a)[0], stacked, (x, zeros), args, into,
+                               registry.grad_dtype, unroll)
+    return x, None, totals
   if remat != "none":
     body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-  zeros = None if stats is None else {k: jnp.asarray(v, jnp.float32) for k, v in stats.items()}
   (x, totals), out = jax.lax.scan(body, (x, zeros), (stacked, per_layer), unroll=unroll)
   return x, out, totals
 

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardlab.errors import ConfigError, unknown
-from shardlab.parallel import pipeline
+from shardlab.parallel import accumulate, pipeline
 from shardlab.sharding import rules as rules_lib
 from shardlab.sharding.activations import activation_rules
 from shardlab.training import precision
@@ -67,10 +67,14 @@ def model_loss(loss_fn: LossFn, abstract: Abstract):
   return lambda params, batch: loss(precision.cast_for_compute(params, abstract.policy), batch)
 
 
-def _grads(grad_fn, working, batch, microbatches: int, grad_dtype, grad_shardings,
+def _grads(loss_fn, working, batch, microbatches: int, grad_dtype, grad_shardings,
            batch_sharding):
-  """((loss, aux), gradients w.r.t. `working` in `grad_dtype`, reduced to
-  `grad_shardings`). Microbatches' gradients are reduced as they come and summed in fp32."""
+  """((loss, aux), gradients of `loss_fn(working, batch) -> (loss, aux)` w.r.t. `working`,
+  in `grad_dtype`, reduced to `grad_shardings`). Microbatches' gradients are reduced as they
+  come and summed in fp32: a full-remat layer stack's straight into the accumulator, layer by
+  layer, in its backward pass (shardlab/parallel/accumulate.py); the rest once each
+  microbatch's backward pass is done."""
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
   def reduced(grads):
     grads = jax.tree.map(lambda g: g.astype(grad_dtype), grads)
@@ -88,16 +92,24 @@ def _grads(grad_fn, working, batch, microbatches: int, grad_dtype, grad_sharding
     return leaf.reshape(leaf.shape[0] // microbatches, microbatches,
                         *leaf.shape[1:]).swapaxes(0, 1)
 
-  def accumulate(carry, mb):
-    out, grads = grad_fn(working, jax.lax.with_sharding_constraint(mb, batch_sharding))
-    return jax.tree.map(lambda c, g: c + g.astype(jnp.float32), carry,
-                        (out, reduced(grads))), None
+  def one_microbatch(carry, mb):
+    out_sum, acc = carry
+    mb = jax.lax.with_sharding_constraint(mb, batch_sharding)
+    out, grads, into = accumulate.differentiate(lambda w: loss_fn(w, mb), working, acc,
+                                                grad_dtype)
+    a_leaves, a_def = jax.tree.flatten(acc)
+    summed = [(a if new is None else new) + g.astype(jnp.float32) for a, g, new in
+              zip(a_leaves, jax.tree.leaves(reduced(grads)), into)]
+    acc = jax.lax.with_sharding_constraint(jax.tree.unflatten(a_def, summed), grad_shardings)
+    return (jax.tree.map(lambda c, o: c + o.astype(jnp.float32), out_sum, out), acc), None
 
   micro = jax.tree.map(split, batch)
-  out_shape = jax.eval_shape(grad_fn, working, jax.tree.map(lambda leaf: leaf[0], micro))
+  out_shape = jax.eval_shape(loss_fn, working, jax.tree.map(lambda leaf: leaf[0], micro))
   zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), out_shape)
-  out, _ = jax.lax.scan(accumulate, zeros, micro)
-  return jax.tree.map(lambda leaf: leaf / microbatches, out)
+  acc = jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), working)
+  acc = jax.lax.with_sharding_constraint(acc, grad_shardings)
+  (out, acc), _ = jax.lax.scan(one_microbatch, (zeros, acc), micro)
+  return jax.tree.map(lambda leaf: leaf / microbatches, (out, acc))
 
 
 def _on_device(tree, device_shardings):
@@ -156,9 +168,7 @@ def make_train_step(loss_fn: LossFn, abstract: Abstract, shardings: Shardings, *
   loss = working_loss(loss_fn, abstract)
   # Gradients only for the trainable params: a frozen one (a LoRA base) gets no weight-
   # gradient matmul at all, since nothing reads it.
-  grad_fn = jax.value_and_grad(lambda trained, fixed, batch: loss(state_lib.merge(trained,
-                                                                                    fixed),
-                                                                   batch), has_aux=True)
+  loss_of = lambda trained, fixed, batch: loss(state_lib.merge(trained, fixed), batch)
 
   looped, pipe, kind = pipeline_split(shardings, microbatches, pipeline_repeats, pipeline_schedule)
 
@@ -167,7 +177,7 @@ def make_train_step(loss_fn: LossFn, abstract: Abstract, shardings: Shardings, *
       working = working_copy(_on_device(state.params, shardings.on_device.params), abstract,
                              shardings)
       fixed = abstract.fixed(working)
-      (value, aux), grads = _grads(lambda w, b: grad_fn(w, fixed, b),
+      (value, aux), grads = _grads(lambda w, b: loss_of(w, fixed, b),
                                    abstract.trainable(working), batch, looped, dtype,
                                    abstract.trainable(shardings.grads), shardings.batch)
       if shardings.offloaded:

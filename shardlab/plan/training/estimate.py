@@ -7,7 +7,6 @@ import functools
 import math
 import types
 
-import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
@@ -17,6 +16,7 @@ from shardlab.sharding import mesh as mesh_lib
 from shardlab.training import precision as precision_lib
 from shardlab.plan.training import comm as plan_comm
 from shardlab.plan.training import experts as plan_experts
+from shardlab.plan.training import gathered as plan_gathered
 from shardlab.plan.training import memory as plan_memory
 from shardlab.plan.training import pipeline as plan_pipeline
 from shardlab.plan.training import recompute
@@ -26,6 +26,7 @@ from shardlab.plan.training.request import Request, train_config
 from shardlab.sharding import rules as rules_lib
 from shardlab import remat as remat_lib
 from shardlab.errors import ConfigError
+from shardlab.models import protocol
 from shardlab.training import run as run_lib
 from shardlab.training import state as state_lib
 from shardlab.training import step as step_lib
@@ -152,8 +153,8 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
   be = plan_comm.BACKENDS[backend or acc.kind]
   grad_dtype = precision_lib.gradient_dtype(policy, train.grad_dtype)
   uses = plan_pipeline.passes(model, train, rules, mesh)  # a pipeline loops on its own
-  memory, shapes, state, offloaded_acts = _memory(model, train, rules, mesh, abstract, sh,
-                                                  policy, grad_dtype, p, be, uses)
+  memory, shapes, state, offloaded_acts, accounting = _memory(
+      model, train, rules, mesh, abstract, sh, policy, grad_dtype, p, be, uses)
   weights, serial = _transfers(model, req, train, rules, mesh, policy, abstract, be, uses,
                                 shapes, p)
   tokens_per_device = _tokens_per_device(req, rules, mesh)
@@ -188,8 +189,7 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
       efficiency=plan_time.matmul_efficiency(acc),
       tokens_per_s=train.global_batch * train.seq_len / step_s,
       host_transfer_bytes=host_bytes, host_s=terms["host transfers"],
-      accounting=state_bytes.state_accounting(abstract, sh, state, policy, uses.looped,
-                                              grad_dtype), pipeline=pipe, time=time,
+      accounting=accounting, pipeline=pipe, time=time,
       serial_comm_s=serial_s, hideable_comm_s=hideable_s,
       kernel_flops=_kernel_flops(model, train, be.name, shapes) * tokens_per_device)
 
@@ -210,18 +210,28 @@ def _kernel_flops(model, train, platform: str, shapes) -> float:
   return 0.0
 
 
+def _accumulates_in_scan(model, train) -> bool:
+  """Whether the layer stack adds its gradients into the microbatch accumulator in its
+  backward pass (shardlab/parallel/accumulate.py): under full remat, for a stack that reaches
+  the scan as it is (Gemma's regrouped layers do not)."""
+  return train.remat == "full" and protocol.get(model, "layers_per_scan_step") == 1
+
+
 def _memory(model, train, rules, mesh, abstract, sh, policy, grad_dtype, p: int, be, uses):
   """(Memory per device, the activation shapes, the model state's bytes, the activations
-  remat offload keeps in host memory)."""
+  remat offload keeps in host memory, the state's bytes a parameter: ZeRO's table)."""
+  in_scan = _accumulates_in_scan(model, train)
   state = state_bytes.model_state(abstract, sh, policy, uses.looped, grad_dtype,
-                                  train.offload)
-  gathered, head_gathered = _gathered_bytes(abstract, rules, mesh, p)
+                                  train.offload, in_scan)
+  gathered, head_gathered = plan_gathered.gathered_bytes(abstract, rules, mesh, p)
   acts, batch_bytes, shapes = plan_memory.activation_memory(model, train, p, rules.activations,
                                                             mesh, head_gathered, be.name)
   offloaded_acts = plan_memory.offloaded_activation_bytes(model, shapes, p, train.remat)
   memory = plan_memory.Memory(activations=acts, gathered=gathered, batch=batch_bytes,
                               **dict(state, host=state["host"] + offloaded_acts))
-  return memory, shapes, state, offloaded_acts
+  accounting = state_bytes.state_accounting(abstract, sh, state, policy, uses.looped,
+                                            grad_dtype, in_scan)
+  return memory, shapes, state, offloaded_acts, accounting
 
 
 def _transfers(model, req: Request, train, rules, mesh, policy, abstract, be, uses, shapes,
@@ -256,34 +266,6 @@ def _frozen_weight_grad_flops(model, lora: config_lib.LoraConfig) -> float:
     return 0.0
   lookup = 0 if model.tie_embeddings else model.vocab_size * model.d_model
   return 2 * (model.n_params - lookup) - 6 * model.n_lora_params(lora)
-
-
-def _gathered_bytes(abstract, rules, mesh, p: int) -> tuple[float, float]:
-  """Weights FSDP gathers for compute, at the step's peak (compute dtype): one layer's (a
-  slice of the stacked leaves) twice — the gathered weights and, in the backward pass, their
-  gradients before the reduce-scatter, which XLA's buffer assignment (CPU and TPU) holds
-  beside them — and one vocabulary table, the output head (or the tied table), gathered
-  until the loss is done; the embedding is looked up where it is stored. A ZeRO-1/2 working
-  copy is gathered whole already (counted as the params), but XLA re-lays out the largest
-  gathered layer leaf, live twice while it is copied (seen on CPU). Returns the total and its
-  largest single buffer, which the output head's gradient takes over once it is dead."""
-  names = jax.tree.leaves(abstract.names, is_leaf=lambda x: isinstance(x, tuple))
-  read = rules.activations if rules.working is None else rules.working
-  layer, outer = 0.0, [0.0]
-  stages = rules_lib.pipeline_stages(rules, mesh)  # a stage holds 1/stages of the layers
-  for n, leaf in zip(names, jax.tree.leaves(abstract.state.params)):
-    p_axes = plan_comm._axes(rules_lib.spec(n, leaf.shape, rules.params, mesh, "param"))
-    c_axes = plan_comm._axes(rules_lib.spec(n, leaf.shape, read, mesh, "param"))
-    if not {a for a in p_axes - c_axes if mesh.shape[a] > 1}:
-      continue
-    elems = math.prod(leaf.shape) // plan_comm._shards(c_axes, mesh)
-    if rules.working is not None:
-      outer.append(elems * p if n[0] == "layers" else 0)
-    elif n[0] == "layers":
-      layer += elems * p * stages / leaf.shape[0]
-    else:
-      outer.append(elems * p)
-  return 2 * layer + max(outer), max(outer)
 
 
 def _hbm_traffic(memory: plan_memory.Memory, a, model, train, p: int) -> float:

@@ -35,7 +35,7 @@ def _is_working_copy(leaf, sh, policy) -> bool:
 
 
 def model_state(abstract, sh, policy, microbatches: int, grad_dtype,
-                offload: str = "none") -> dict[str, float]:
+                offload: str = "none", in_scan: bool = False) -> dict[str, float]:
   """Exact per-device bytes of params / grads / master / opt_state (and host) from the
   shardings.
 
@@ -43,7 +43,9 @@ def model_state(abstract, sh, policy, microbatches: int, grad_dtype,
   keeps it: whole for dp/zero1/zero2). master: the stored weights that are not that copy
   (another dtype, or sharded while the copy is whole; a frozen param is stored in the
   compute dtype). grads: of the trained params, in `grad_dtype`, where the strategy reduces
-  them, plus an fp32 accumulator with microbatches. Under offload "opt_state" the stored
+  them, plus an fp32 accumulator with microbatches; `in_scan`: the layer stack's gradients
+  go straight into it (shardlab/parallel/accumulate.py), so the stacked params hold the
+  accumulator alone. Under offload "opt_state" the stored
   weights and the optimizer state are host bytes instead (XLA streams each leaf in for its
   update; the stream's buffers are small beside the activations' peak)."""
   params_abs = abstract.state.params
@@ -52,6 +54,9 @@ def model_state(abstract, sh, policy, microbatches: int, grad_dtype,
   trained, grad_sh = abstract.trainable(params_abs), abstract.trainable(sh.grads)
   grads = tree_shard_bytes(trained, grad_sh, grad_dtype)
   if microbatches > 1:
+    if in_scan:  # no per-microbatch gradient of the stacked params beside the accumulator
+      grads -= sum(math.prod(s.shard_shape(shape)) for shape, s in
+                   _stacked_trained(abstract, sh)) * itemsize(grad_dtype)
     grads += tree_shard_bytes(trained, grad_sh, jnp.float32)
   master = sum(0.0 if _is_working_copy(a, sh, policy) else tree_shard_bytes(a, s)
                for a, s in zip(jax.tree.leaves(params_abs), jax.tree.leaves(sh.state.params)))
@@ -63,16 +68,29 @@ def model_state(abstract, sh, policy, microbatches: int, grad_dtype,
               stored=stored)
 
 
+def _stacked_trained(abstract, sh) -> list[tuple]:
+  """(shape, gradient sharding) of each trained param in the layer stack (leading `layers`)."""
+  params = jax.tree.leaves(abstract.state.params)
+  names = jax.tree.leaves(abstract.names, is_leaf=lambda x: isinstance(x, tuple))
+  frozen = (jax.tree.leaves(abstract.frozen) if abstract.frozen is not None
+            else [False] * len(params))
+  return [(a.shape, s) for a, n, s, f in zip(params, names, jax.tree.leaves(sh.grads), frozen)
+          if not f and n[:1] == ("layers",)]
+
+
 def state_accounting(abstract, sh, state: dict, policy, microbatches: int,
-                     grad_dtype) -> dict[str, dict]:
+                     grad_dtype, in_scan: bool = False) -> dict[str, dict]:
   """Per category: bytes per parameter unsharded, and into how many pieces the strategy
   divides them on this mesh (1: whole on every device) — ZeRO's table, for this run."""
   leaves = jax.tree.leaves(abstract.state.params)
   size = lambda tree: sum(math.prod(a.shape) for a in jax.tree.leaves(tree))
   n = size(leaves)
-  whole = {"params": n * itemsize(policy.compute_dtype),
-           "grads": size(abstract.trainable(abstract.state.params)) * (
-               itemsize(grad_dtype) + (4 if microbatches > 1 else 0)),
+  grads = size(abstract.trainable(abstract.state.params)) * (
+      itemsize(grad_dtype) + (4 if microbatches > 1 else 0))
+  if microbatches > 1 and in_scan:
+    grads -= sum(math.prod(shape) for shape, _ in _stacked_trained(abstract, sh)) * itemsize(
+        grad_dtype)
+  whole = {"params": n * itemsize(policy.compute_dtype), "grads": grads,
            "master": sum(math.prod(a.shape) * itemsize(a.dtype) for a in leaves
                          if not _is_working_copy(a, sh, policy)),
            "opt_state": sum(math.prod(a.shape) * itemsize(a.dtype)

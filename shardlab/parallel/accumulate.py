@@ -1,0 +1,166 @@
+"""Gradient accumulation into the accumulator itself, inside the layer scan's backward pass.
+
+With train.microbatches > 1 the step sums the microbatches' gradients in an fp32
+accumulator (sharded as the gradients are). Differentiating a microbatch and adding its
+gradient afterwards holds the accumulator beside the microbatch's whole gradient: a second
+full-size gradient buffer, 4 bytes a parameter more than ZeRO's 16 (tests/
+test_accumulation_bytes.py). Here the layer stack's backward pass adds each layer's weight
+gradient into that layer's slice of the accumulator as soon as it is made, so beside the
+accumulator only one layer's gradient is ever held.
+
+How: the step differentiates each microbatch with respect to the accumulator as well as the
+weights (`differentiate`). A layer scan that finds its stack's trainable weights registered
+(`active`) runs as a custom_vjp (`run`) whose backward pass returns, as the accumulator's
+cotangent, the accumulator plus this microbatch's layer gradients (each rounded to the
+gradient dtype first, as the step would round it), and no cotangent for the weights; the
+step then takes the accumulator's "gradient" as the new accumulator for those leaves and adds
+the others' gradients as before. The backward recomputes each layer's forward from its saved
+input: remat "full"'s work, so only a full-remat scan takes this path. A scan is recognised
+by its stack's weights being the very arrays the step differentiates: a model that reshapes
+them on the way (Gemma's groups of layers) accumulates as before, after each microbatch.
+"""
+
+import contextlib
+import contextvars
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("shardlab_accumulate", default=None)
+
+
+class _Registry:
+  """The accumulator leaves of one microbatch's differentiation, keyed by the working
+  weights (their tracers) they accumulate; each is handed out once, so a stack run twice
+  adds its second run's gradient the usual way (through the weights' own cotangent)."""
+
+  def __init__(self, weights: list, accumulators: list, grad_dtype):
+    self.by_id = {id(w): a for w, a in zip(weights, accumulators)}
+    self.grad_dtype = grad_dtype
+    self.taken: set[int] = set()
+
+  def take(self, leaves: list) -> list | None:
+    """The accumulator of each of `leaves` (None for one that is not trained); None when no
+    leaf is trained or one was handed out already."""
+    ids = [id(leaf) for leaf in leaves]
+    if not any(i in self.by_id for i in ids) or self.taken.intersection(ids):
+      return None
+    self.taken.update(i for i in ids if i in self.by_id)
+    return [self.by_id.get(i) for i in ids]
+
+
+def active() -> _Registry | None:
+  return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def _registered(weights: list, accumulators: list, grad_dtype):
+  registry = _Registry(weights, accumulators, grad_dtype)
+  token = _ACTIVE.set(registry)
+  try:
+    yield registry
+  finally:
+    _ACTIVE.reset(token)
+
+
+def differentiate(loss_fn, working, acc, grad_dtype):
+  """((value, aux), gradients, [accumulator or None per leaf]) of `loss_fn(working)` ->
+  (value, aux), differentiated with the accumulator registered. Where a layer scan took a
+  leaf's accumulator the entry is its cotangent, the accumulator plus this microbatch's
+  gradient from that scan, and the leaf's gradient holds only what reached it elsewhere
+  (zero, unless the stack ran twice); elsewhere the entry is None."""
+  taken: list[bool] = []
+
+  def loss(w, a):
+    wl, al = jax.tree.leaves(w), jax.tree.leaves(a)
+    with _registered(wl, al, grad_dtype) as registry:
+      out = loss_fn(w)
+    taken[:] = [id(leaf) in registry.taken for leaf in wl]
+    return out
+
+  (value, aux), (grads, acc_grads) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+      working, acc)
+  return (value, aux), grads, [g if t else None for g, t in zip(jax.tree.leaves(acc_grads),
+                                                                 taken)]
+
+
+def run(layer, stacked, carry, args, accumulators: list, grad_dtype, unroll: int = 1):
+  """`layer(layer_state, carry, args) -> carry` over the stack (lax.scan), with the backward
+  pass adding each trained leaf's layer gradient into `accumulators` (per leaf of `stacked`,
+  None for a leaf not trained)."""
+  s_leaves, s_def = jax.tree.flatten(stacked)
+  trained = [a is not None for a in accumulators]
+  acc = [a for a in accumulators if a is not None]
+  arrays, full_args = _arrays_of(args)
+
+  def layer_of_arrays(state, c, arrays):
+    return layer(state, c, full_args(arrays))
+
+  def forward(stack_leaves, carry, args):
+    state = jax.tree.unflatten(s_def, stack_leaves)
+
+    def body(c, layer_state):
+      return layer_of_arrays(layer_state, c, args), c
+
+    return jax.lax.scan(body, carry, state, unroll=unroll)
+
+  @jax.custom_vjp
+  def stack(stack_leaves, acc, carry, args):
+    return forward(stack_leaves, carry, args)[0]
+
+  def stack_fwd(stack_leaves, acc, carry, args):
+    out, inputs = forward(stack_leaves, carry, args)
+    return out, (stack_leaves, acc, inputs, args)
+
+  def stack_bwd(res, ct):
+    stack_leaves, acc, inputs, args = res
+    layer_vjp = lambda leaves, x, ct: jax.vjp(layer_of_arrays, jax.tree.unflatten(
+        s_def, leaves), x, args)[1](ct)
+    acc, ct, ct_args = _backward(layer_vjp, stack_leaves, inputs, args, acc, ct, trained,
+                                 grad_dtype)
+    return None, acc, ct, ct_args
+
+  stack.defvjp(stack_fwd, stack_bwd)
+  return stack(s_leaves, acc, carry, arrays)
+
+
+def _backward(layer_vjp, stack_leaves, inputs, args, acc, ct, trained, grad_dtype):
+  """(accumulators, the stack input's cotangent, the args' cotangents): the layers in reverse,
+  each one's weight gradient added into its slice of the accumulators."""
+  a_leaves, a_def = jax.tree.flatten(args)
+  inexact = [jnp.issubdtype(x.dtype, jnp.inexact) for x in a_leaves]
+
+  def body(c, xs):
+    ct, acc, ct_args = c
+    i, layer_leaves, layer_input = xs
+    d_state, ct, d_args = layer_vjp(layer_leaves, layer_input, ct)
+    grads = [g for g, t in zip(jax.tree.leaves(d_state), trained) if t]
+    acc = [jax.lax.dynamic_update_index_in_dim(
+        a, a[i] + g.astype(grad_dtype).astype(a.dtype), i, 0) for a, g in zip(acc, grads)]
+    d_args = [d for d, f in zip(jax.tree.leaves(d_args), inexact) if f]
+    return (ct, acc, [a + d for a, d in zip(ct_args, d_args)]), None
+
+  zeros = [jnp.zeros_like(x) for x, f in zip(a_leaves, inexact) if f]
+  n = stack_leaves[0].shape[0]
+  (ct, acc, ct_args), _ = jax.lax.scan(body, (ct, acc, zeros),
+                                       (jnp.arange(n), stack_leaves, inputs), reverse=True)
+  # Integer args (token positions, segment ids) have no cotangent: float0 zeros.
+  ct_args = iter(ct_args)
+  ct_args = [next(ct_args) if f else np.zeros(x.shape, jax.dtypes.float0)
+             for x, f in zip(a_leaves, inexact)]
+  return acc, ct, jax.tree.unflatten(a_def, ct_args)
+
+
+def _arrays_of(args):
+  """(the arrays among `args`' leaves, arrays -> args): arrays pass through the custom_vjp;
+  Python values (a static length, a flag) stay as they are."""
+  leaves, treedef = jax.tree.flatten(args)
+  is_array = [isinstance(a, (jax.Array, np.ndarray)) for a in leaves]
+
+  def rebuild(arrays):
+    it = iter(arrays)
+    return jax.tree.unflatten(treedef, [next(it) if t else a for a, t in zip(leaves, is_array)])
+
+  return [a for a, t in zip(leaves, is_array) if t], rebuild
+
