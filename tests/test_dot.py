@@ -1,6 +1,8 @@
 """shardlab/parallel/dot.einsum: fp32 accumulation forward and backward, gradients in the operands'
 dtype, equal to autodiff of the fp32 einsum."""
 
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,6 +50,37 @@ def test_output_dtype_and_lowering(result, monkeypatch):
     dots = _dots(grad, a, b)
     assert len(dots) == 2  # the forward dot is dead code under grad
     assert all("bf16>, tensor<" in l and f"x{want}>" in l.split("->")[-1] for l in dots), dots
+
+
+def test_widened_operands_are_made_in_the_backward_pass(monkeypatch):
+  """Where XLA:CPU widens bf16 operands to fp32 for every dot (the "output" path, a CPU
+  without native bf16), the backward's operands are made from its cotangent (dot._after).
+  Without that XLA widens each saved activation in the forward pass and holds the fp32 copy
+  until the backward: measured 13.6 against 9.0 MiB of temporaries here, where the four
+  saved MLP activations are 2 MiB in bf16. The gradients are the same to the bit."""
+  monkeypatch.setenv("SHARDLAB_CPU_DOT", "output")
+
+  def loss(ws, x):
+    for w_in, w_out in ws:  # unrolled: each layer's activations are saved for its backward
+      x = x + dot.einsum("bf,fd->bd", jax.nn.silu(dot.einsum("bd,df->bf", x, w_in)), w_out)
+    return jnp.sum(x.astype(jnp.float32) ** 2)
+
+  rng = np.random.default_rng(0)
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape) * 0.05, jnp.bfloat16)
+  ws, x = [(normal(256, 1024), normal(1024, 256)) for _ in range(4)], normal(256, 256)
+  grad = jax.jit(jax.grad(loss))
+
+  def temp_and_grads():
+    return grad.lower(ws, x).compile().memory_analysis().temp_size_in_bytes, grad(ws, x)
+
+  temp, grads = temp_and_grads()
+  grad = jax.jit(jax.grad(loss))  # a fresh trace for the path switched off
+  with mock.patch.object(dot, "_after", lambda g, *xs: xs):
+    temp_off, grads_off = temp_and_grads()
+  saved = 4 * 256 * 1024 * 2  # the MLP activations the backward reads, in bf16
+  assert temp <= temp_off - saved, (temp, temp_off)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_off)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_cpu_result_detects_or_takes_the_override(monkeypatch):
