@@ -3,10 +3,10 @@
 With train.microbatches > 1 the step sums the microbatches' gradients in an fp32
 accumulator (sharded as the gradients are). Differentiating a microbatch and adding its
 gradient afterwards holds the accumulator beside the microbatch's whole gradient: a second
-full-size gradient buffer, 4 bytes a parameter more than ZeRO's 16 (tests/
-test_accumulation_bytes.py). Here the layer stack's backward pass adds each layer's weight
-gradient into that layer's slice of the accumulator as soon as it is made, so beside the
-accumulator only one layer's gradient is ever held.
+full-size gradient buffer, 4 bytes a parameter (tests/test_accumulation_bytes.py). Here the
+layer stack's backward pass adds each layer's weight gradient into that layer's slice of the
+accumulator as soon as it is made, so beside the accumulator only one layer's gradient is
+ever held.
 
 How: the step differentiates each microbatch with respect to the accumulator as well as the
 weights (`differentiate`). A layer scan that finds its stack's trainable weights registered
