@@ -79,6 +79,7 @@ def run_train(model_cfg, mesh_text: str, strategy: str, batch: int, seq: int, pr
   the_mesh = mesh.build(mesh.parse_inline(mesh_text), devices=devices)
   abstract = run_lib.abstract_state(cfg)
   sh = run_lib.shardings(cfg, abstract, the_mesh, offload=True)
+  t_state = time.perf_counter()  # time to the first step counts from making the state
   state = state_lib.init_state(abstract, sh)
   tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (batch, seq + 1),
                                              dtype=np.int32)
@@ -93,6 +94,8 @@ def run_train(model_cfg, mesh_text: str, strategy: str, batch: int, seq: int, pr
     t0, c0 = time.perf_counter(), time.process_time()
     state, metrics = compiled(state, tokens)
     jax.block_until_ready((state, metrics))
+    if i == 0:
+      first_step_s = time.perf_counter() - t_state
     if i >= warmup:
       times.append(time.perf_counter() - t0)
       cpu_times.append(time.process_time() - c0)
@@ -100,6 +103,7 @@ def run_train(model_cfg, mesh_text: str, strategy: str, batch: int, seq: int, pr
   return {"mesh": mesh_text, "strategy": strategy, "precision": precision,
           "devices": the_mesh.devices.size, "batch": batch, "seq": seq,
           "step_s": step_s, "cpu_s": statistics.median(cpu_times), "tokens_per_s": batch * seq / step_s, "compile_s": compile_s,
+          "first_step_s": first_step_s,
           "timed_steps": f"{warmup + 1}-{warmup + steps}", "loss": float(metrics["loss"]),
           "memory": memory(compiled)}
 

@@ -15,12 +15,16 @@ MaxText runs through ../shared/peers/maxtext/run.sh (its own Python 3.12 venv; i
 with `bash ../shared/peers/maxtext/run.sh install`). Without that venv only shardlab's
 figures are printed. Runs alternate (shardlab, MaxText, shardlab, ...) so that a machine
 busy with something else slows both; compare the ratios, not the absolute times.
+"1st step s" is the time to the first step, from making the train state to the first step's
+result (the state's init, the step's trace and compile, and its first run): shardlab's
+timed around its calls, MaxText's from its log's timestamps.
 Both sides run with the same process environment: shardlab restarts itself with huge pages
 for XLA:CPU's buffers (shardlab/runtime/host_memory.py), and MaxText's runs inherit that.
 """
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,10 +55,27 @@ def run_maxtext(remat: str, steps: int, warmup: int) -> dict:
     tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
     raise RuntimeError(f"MaxText run failed (exit {proc.returncode}):\n{tail}")
   r = json.loads(lines[-1].removeprefix("PEER_RESULT "))
+  first = _first_step_s(proc.stdout)
   total = r["argument_bytes"] + r["output_bytes"] - r["alias_bytes"] + r["temp_bytes"]
   return {"who": "MaxText", "remat": remat, "step_s": r["median_step_s"],
           "tokens_per_s": r["tokens_per_s"], "temp_mib": r["temp_bytes"] / MiB,
-          "argument_mib": r["argument_bytes"] / MiB, "total_mib": total / MiB}
+          "argument_mib": r["argument_bytes"] / MiB, "total_mib": total / MiB,
+          "first_step_s": first}
+
+
+def _first_step_s(log: str) -> float:
+  """From MaxText's log timestamps: the restore check just before it makes its train state,
+  to its step 0's line (the state made, the step compiled and run once); nan if absent."""
+  stamps = {}
+  for key, pattern in (("state", "No existing checkpoints found"),
+                       ("step", "completed step: 0,")):
+    line = next((l for l in log.splitlines() if pattern in l), None)
+    found = line and re.match(r"I\d{4} (\d+):(\d+):([\d.]+)", line)
+    if not found:
+      return float("nan")
+    h, m, sec = found.groups()
+    stamps[key] = int(h) * 3600 + int(m) * 60 + float(sec)
+  return (stamps["step"] - stamps["state"]) % 86400  # a run across midnight
 
 
 def run_shardlab(remat: str, steps: int, warmup: int) -> dict:
@@ -67,7 +88,8 @@ def run_shardlab(remat: str, steps: int, warmup: int) -> dict:
   m = r["memory"]
   return {"who": "shardlab", "remat": remat, "scan_unroll": unroll, "step_s": r["step_s"],
           "tokens_per_s": r["tokens_per_s"], "temp_mib": m["temp"] / MiB,
-          "argument_mib": m["argument"] / MiB, "total_mib": m["total"] / MiB}
+          "argument_mib": m["argument"] / MiB, "total_mib": m["total"] / MiB,
+          "first_step_s": r["first_step_s"]}
 
 
 def compare(rounds: int, remats, steps: int, warmup: int) -> list[dict]:
@@ -105,13 +127,14 @@ def print_table(rows: list[dict]) -> None:
   from shardlab.parallel import dot
   print(f"shardlab's XLA:CPU dots asked for: {dot.cpu_result()} (shardlab/parallel/dot.py)")
   print(f"{'':9s} {'remat':5s} {'ms/step':>8s} {'tokens/s':>9s} {'arg MiB':>8s} "
-        f"{'temp MiB':>9s} {'total MiB':>10s} {'speed ×MT':>10s} {'mem ×MT':>8s}")
+        f"{'temp MiB':>9s} {'total MiB':>10s} {'1st step s':>10s} {'speed ×MT':>10s} "
+        f"{'mem ×MT':>8s}")
   for r in rows:
     speed = f"{r['speed_vs_maxtext']:.2f}" if "speed_vs_maxtext" in r else ""
     mem = f"{r['memory_vs_maxtext']:.2f}" if "memory_vs_maxtext" in r else ""
     print(f"{r['who']:9s} {r['remat']:5s} {r['step_s'] * 1e3:8.1f} {r['tokens_per_s']:9.0f} "
           f"{r['argument_mib']:8.1f} {r['temp_mib']:9.1f} {r['total_mib']:10.1f} "
-          f"{speed:>10s} {mem:>8s}")
+          f"{r['first_step_s']:10.1f} {speed:>10s} {mem:>8s}")
 
 
 def main():
