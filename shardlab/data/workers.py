@@ -105,10 +105,12 @@ class Pool:
     # ProcessPoolExecutor has no public kill before Python 3.14 (terminate_workers).
     procs = list((getattr(self.pool, "_processes", None) or {}).values())
     manager = getattr(self.pool, "_executor_manager_thread", None)
-    self.pool.shutdown(wait=False, cancel_futures=True)
+    # The workers first: nothing after this (the executor's lock, which an interrupt may
+    # have caught half-taken, or its manager thread) can then keep one running.
     for p in procs:
       if p.is_alive():
         p.kill()
+    self.pool.shutdown(wait=False, cancel_futures=True)
     # The pool's manager thread sees its workers gone and closes its wake-up pipe. Joined
     # here, it cannot be closing that pipe while concurrent.futures' exit hook writes to it
     # (without a lock): a race that, on a loaded machine, printed an EBADF traceback after
