@@ -122,7 +122,8 @@ def run(name: str, per_chip: int | None = None, overrides=(), dump: Path | None 
   spec = plan_compile._spec(req)
   cfg = config.apply_overrides(plan_compile.run_config(req, spec), list(overrides))
   acc = plan.hardware.get(r.target)
-  est = plan.estimate(req, cfg.model, acc, spec)  # `--set model.*` reaches the planner too
+  # `--set model.*` and `train.*` (microbatches, remat, ...) reach the planner too.
+  est = plan.estimate(dataclasses.replace(req, train=cfg.train), cfg.model, acc, spec)
   cpu0 = time.process_time()
   report = aot.compile_on_tpu(cfg, acc.topology, r.chips,
                               dump=dump / name.replace("/", "_") if dump else None)
@@ -183,7 +184,7 @@ def _line(name: str, r: dict, overrides) -> str:
   ref_s = f"≈{r['reference_compile_s']} s" if r["reference_compile_s"] else "n/a"
   host = f" + {r['host_gib']:.2f} host" if r["host_gib"] else ""
   without = (" (of the config without --set)" if any(
-      not o.startswith("model.") for o in overrides) else "")
+      not o.startswith(("model.", "train.")) for o in overrides) else "")
   return (f"{name:20s} {r['where']:16s} compiled {r['compiled_gib']:6.2f} GiB per chip{host} "
           f"({ref}usable {r['usable_gib']:.2f}; "
           f"{'fits' if r['fits'] else 'DOES NOT FIT'})  analytic{without} "
