@@ -152,11 +152,15 @@ def _compile(job, state, first_batch, progress: Progress, start: float,
              clock: goodput.Clock):
   # XLA's involuntary-rematerialisation warnings: one line naming the layout, the
   # partitioner's screenfuls kept in the run dir's xla.log (observe/xla_log.py).
+  began = time.perf_counter()
   with Activity("compiling the train step", progress), clock.phase("compile"), \
        xla_log.quiet_remat(job.title, job.cfg.run_dir, progress.message):
     compiled = job.train_step.lower(state, first_batch).compile()
     report = step_report.report(compiled, job.mesh)
-  progress.message(f"compiled the train step in {time.perf_counter() - start:.1f} s")
+  now = time.perf_counter()
+  # The compile's own time (goodput's "compilation"), then the whole wait before it.
+  progress.message(f"compiled the train step in {now - began:.1f} s ({now - start:.1f} s "
+                   f"since the run began, the state's init and the first batch included)")
   progress.message("\n".join(step_report.render(report)))
   flops = job.flops_per_step()
   if flops is None:
