@@ -55,8 +55,7 @@ def model_state(abstract, sh, policy, microbatches: int, grad_dtype,
   grads = tree_shard_bytes(trained, grad_sh, grad_dtype)
   if microbatches > 1:
     if in_scan:  # no per-microbatch gradient of the stacked params beside the accumulator
-      grads -= sum(math.prod(s.shard_shape(shape)) for shape, s in
-                   _stacked_trained(abstract, sh)) * itemsize(grad_dtype)
+      grads -= _stack_gradient_bytes(abstract, sh, grad_dtype, per_device=True)
     grads += tree_shard_bytes(trained, grad_sh, jnp.float32)
   master = sum(0.0 if _is_working_copy(a, sh, policy) else tree_shard_bytes(a, s)
                for a, s in zip(jax.tree.leaves(params_abs), jax.tree.leaves(sh.state.params)))
@@ -68,14 +67,17 @@ def model_state(abstract, sh, policy, microbatches: int, grad_dtype,
               stored=stored)
 
 
-def _stacked_trained(abstract, sh) -> list[tuple]:
-  """(shape, gradient sharding) of each trained param in the layer stack (leading `layers`)."""
+def _stack_gradient_bytes(abstract, sh, grad_dtype, per_device: bool) -> float:
+  """One microbatch's gradient of the layer stack's trained params (leading `layers`), per
+  device or whole: what accumulating inside the layer scan does not hold."""
   params = jax.tree.leaves(abstract.state.params)
   names = jax.tree.leaves(abstract.names, is_leaf=lambda x: isinstance(x, tuple))
   frozen = (jax.tree.leaves(abstract.frozen) if abstract.frozen is not None
             else [False] * len(params))
-  return [(a.shape, s) for a, n, s, f in zip(params, names, jax.tree.leaves(sh.grads), frozen)
-          if not f and n[:1] == ("layers",)]
+  return itemsize(grad_dtype) * sum(
+      math.prod(s.shard_shape(a.shape) if per_device else a.shape)
+      for a, n, s, f in zip(params, names, jax.tree.leaves(sh.grads), frozen)
+      if not f and n[:1] == ("layers",))
 
 
 def state_accounting(abstract, sh, state: dict, policy, microbatches: int,
@@ -88,8 +90,7 @@ def state_accounting(abstract, sh, state: dict, policy, microbatches: int,
   grads = size(abstract.trainable(abstract.state.params)) * (
       itemsize(grad_dtype) + (4 if microbatches > 1 else 0))
   if microbatches > 1 and in_scan:
-    grads -= sum(math.prod(shape) for shape, _ in _stacked_trained(abstract, sh)) * itemsize(
-        grad_dtype)
+    grads -= _stack_gradient_bytes(abstract, sh, grad_dtype, per_device=False)
   whole = {"params": n * itemsize(policy.compute_dtype), "grads": grads,
            "master": sum(math.prod(a.shape) * itemsize(a.dtype) for a in leaves
                          if not _is_working_copy(a, sh, policy)),
