@@ -20,7 +20,13 @@ from shardlab.data import feed, tokenizer, tokens, workers
 from shardlab.errors import ConfigError
 
 SETTINGS = ["--held-out-fraction", "0.1", "--workers", "1", "--shard-tokens", "500"]
-COMMAND = "import sys; from shardlab.cli.data import data_main; sys.exit(data_main(sys.argv[1:]))"
+# The command starts as a terminal's foreground command does: SIGINT at its default and not
+# blocked. A child inherits an ignored or blocked SIGINT from the pytest worker, whatever an
+# earlier test in that process left; in a whole-suite run the SIGINT case once went unheeded
+# for 10 s (no "interrupted" line), as it would with either.
+COMMAND = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+           "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM}); "
+           "from shardlab.cli.data import data_main; sys.exit(data_main(sys.argv[1:]))")
 # Each chunk (of 20) sleeps this long in the worker: a worker that outlived its parent, or
 # finished its chunk before stopping, would still be there this long after the parent. The
 # margin between the two is for a loaded machine: 1.5 s was missed once under a load of 10,
@@ -96,6 +102,16 @@ def under_way(proc: subprocess.Popen, out: Path) -> list[int]:
   pytest.fail(f"the prepare did not get going: {proc.communicate()}")
 
 
+def signal_state(pid: int) -> str:
+  """The process's pending, blocked, ignored and caught signal masks (/proc), for a miss."""
+  try:
+    return " ".join(l.replace("\t", "") for l in Path(f"/proc/{pid}/status").read_text()
+                    .splitlines() if l.startswith(("SigPnd", "ShdPnd", "SigBlk", "SigIgn",
+                                                   "SigCgt")))
+  except OSError:
+    return "gone"
+
+
 def wait_gone(pids: list[int], seconds: float = 10) -> list[int]:
   deadline = time.monotonic() + seconds
   while any(alive(p) for p in pids) and time.monotonic() < deadline:
@@ -157,11 +173,12 @@ def test_sigterm_and_ctrl_c_end_prepare_with_one_line(source, tmp_path):
     proc.send_signal(signum)  # the worker is stopped at once, not after its chunk
     left = wait_gone([k for k in kids if is_worker(k)], GONE_WITHIN_S)
     if left:  # say where the command was: still running (and what it printed), or gone
-      running = proc.poll() is None
+      running, masks = proc.poll() is None, signal_state(proc.pid)
       proc.kill()
       pytest.fail(f"the interrupted prepare left its worker running {GONE_WITHIN_S} s after "
-                  f"{signum.name} (the command {'still running' if running else 'exited'}):"
-                  f" {proc.communicate()}")
+                  f"{signum.name} (the command {'still running' if running else 'exited'}; "
+                  f"its signals: {masks}; this process's SIGINT handler "
+                  f"{signal.getsignal(signal.SIGINT)}): {proc.communicate()}")
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signum, stderr
     last = stderr.strip().splitlines()[-1]
