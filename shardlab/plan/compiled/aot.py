@@ -16,6 +16,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ from shardlab.models import registry
 from shardlab.observe import step_report
 from shardlab.observe.step_report import StepReport
 from shardlab.runtime import compile_only, devices as devices_lib, jax_compat
+from shardlab.runtime import signal_dispositions
 from shardlab.training import run as run_lib
 from shardlab.training import state as state_lib
 
@@ -71,10 +73,12 @@ def tpu_devices(prefix: str, n_chips: int, num_slices: int = 1):
   host_bounds = (1, 1, 1) if per_slice == 1 else (2, 2, 1) if per_slice >= 4 else (2, 1, 1)
   # One core per chip: v4's two TensorCores as one megacore device, like v5p's.
   chip_config = "megacore" if prefix == "v4" else "default"
-  topo = topologies.get_topology_desc(platform="tpu", topology_name=name,
-                                      chip_config_name=chip_config,
-                                      chips_per_host_bounds=host_bounds,
-                                      num_slices=num_slices)
+  # libtpu's load leaves SIGHUP ignored for the whole process (runtime/signal_dispositions.py).
+  with signal_dispositions.kept(frozenset({signal.SIGHUP})):
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=name,
+                                        chip_config_name=chip_config,
+                                        chips_per_host_bounds=host_bounds,
+                                        num_slices=num_slices)
   return topo.devices, name
 
 
