@@ -2,6 +2,7 @@
 topology) does not leave SIGHUP ignored in the user's process and in every process it starts."""
 
 import ctypes
+import json
 import signal
 import subprocess
 import sys
@@ -38,7 +39,7 @@ def test_only_the_named_signals_are_put_back():
 
 
 LOAD = """
-import signal, sys
+import json, signal, sys
 from shardlab.runtime import signal_dispositions as sd
 assert signal.SIGHUP not in sd.ignored()
 if sys.argv[1] == "raw":
@@ -51,7 +52,7 @@ if sys.argv[1] == "raw":
 else:
   from shardlab.plan.compiled import aot
   aot.tpu_devices("v5e", 4)
-print(sorted(sd.ignored()))
+print(json.dumps(sorted(sd.ignored())))
 """
 
 
@@ -59,7 +60,7 @@ def _ignored_after_loading(how: str) -> list[int]:
   out = subprocess.run([sys.executable, "-c", LOAD, how], capture_output=True, text=True,
                        timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]
-  return eval(out.stdout.strip().splitlines()[-1])
+  return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(not aot.libtpu_available(), reason="libtpu is not installed")
