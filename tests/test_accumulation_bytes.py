@@ -7,10 +7,12 @@ activations. The batch is small beside the weights here, so a second gradient bu
 (one microbatch's activations, 1.4 MB, are a quarter of one fp32 gradient shard, 5.8 MB).
 """
 
+import re
 from unittest import mock
 
 import pytest
 
+import helpers as H
 from shardlab.models import registry
 from shardlab.parallel import accumulate
 from shardlab.plan.compiled import aot
@@ -59,21 +61,25 @@ def cpu_bytes(model_path):
 
 @pytest.mark.xfail(strict=True, reason=(
     "On XLA:CPU one microbatch's peak falls in the backward pass, before its gradient is "
-    "whole (and beside an fp32 copy of the bf16 working weights that XLA:CPU computes in), "
-    "while 4 microbatches keep the whole fp32 accumulator throughout: 46.7 MB against "
-    "39.5 MB, where one microbatch's activations are 1.4 MB. XLA for TPU holds no more "
-    "(the test below); what accumulating inside the layer scan saves on CPU is the next "
-    "test's."))
+    "whole, while 4 microbatches keep the whole fp32 accumulator throughout: 42.0 MB "
+    "against 39.5 MB (46.7 MB while the layer scan read the bf16 working copy), where one "
+    "microbatch's activations are 1.4 MB. XLA for TPU holds no more (the TPU test below); "
+    "what accumulating inside the layer scan saves on CPU is the next test's."))
 def test_cpu_accumulation_within_one_microbatch_of_activations(model_path, cpu_bytes):
   assert cpu_bytes[4] <= cpu_bytes[1] + activations(model_path, 4), cpu_bytes
 
 
-def test_cpu_accumulation_inside_the_layer_scan_holds_no_second_gradient(tmp_path):
-  """8 layers, 4 microbatches, full remat: adding each layer's gradient into the accumulator
-  in the layer scan's backward (shardlab/parallel/accumulate.py) against adding each
-  microbatch's whole gradient after it (the in-scan path switched off). Measured 103.8 MB
-  against 110.8 MB, where one fp32 gradient shard is 19.9 MB: XLA:CPU's own copies (the
-  layer's gathered weights in fp32 and bf16) keep it from saving all of it."""
+def test_cpu_accumulation_inside_the_layer_scan_holds_no_second_gradient_nor_working_copy(
+    tmp_path):
+  """8 layers, 4 microbatches, full remat, bf16 compute over fp32 weights, compiled three
+  ways: as shipped (shardlab/parallel/accumulate.py: the layer scan adds each layer's
+  gradient into the accumulator in its backward pass, and casts each layer's stored fp32
+  weights to bf16 as it runs it); reading the step's bf16 working copy of the whole stack
+  instead; and adding each microbatch's whole gradient after it (the in-scan path off).
+  Measured 84.9, 103.8 and 110.8 MB, where the working copy's shard is 10.0 MB and one fp32
+  gradient shard 19.9 MB: the per-layer cast saves more than the working copy (XLA:CPU
+  also held an fp32 copy of it to compute in); XLA:CPU's own copies of the layer's gathered
+  weights keep the in-scan sum from saving all of a gradient shard."""
   path = tmp_path / "tpu-small-8.toml"
   path.write_text(MODEL.replace("n_layers = 2", "n_layers = 8"))
   req = request(str(path), 4)
@@ -82,11 +88,15 @@ def test_cpu_accumulation_inside_the_layer_scan_holds_no_second_gradient(tmp_pat
     r = aot.compile_on_cpu(config(req), DEVICES)
     return r.argument_bytes + r.temp_bytes
 
-  inside = compiled()
+  shipped = compiled()
+  with H.layers_read_the_working_copy():
+    working = compiled()
   with mock.patch.object(accumulate, "active", return_value=None):
     after = compiled()
-  shard = registry.load(str(path)).n_params * 4 / DEVICES  # one fp32 gradient, FSDP-sharded
-  assert inside <= after - shard / 4, (inside, after, shard)
+  n_params = registry.load(str(path)).n_params
+  bf16_shard, fp32_shard = n_params * 2 / DEVICES, n_params * 4 / DEVICES
+  assert shipped <= working - bf16_shard, (shipped, working, bf16_shard)
+  assert working <= after - fp32_shard / 4, (working, after, fp32_shard)
 
 
 def _dump_total(dump) -> int:
@@ -96,12 +106,46 @@ def _dump_total(dump) -> int:
   return int(report.read_text().split("Total bytes: ")[1].split()[0])
 
 
-@pytest.mark.skipif(not aot.libtpu_available(),
-                    reason="libtpu is not installed (pip install 'jax[tpu]==0.10.2'; it needs "
-                           "no TPU)")
-def test_tpu_accumulation_within_one_microbatch_of_activations(model_path, tmp_path):
-  total = {}
+def _bf16_twins_of_the_stack(dump, layers: int) -> tuple[set, set]:
+  """(the per-device shapes of the stacked fp32 params that a bf16 array of the same shape
+  shadows anywhere in the optimized program — a working copy of the stack —, all the
+  stacked fp32 params' shapes), from the entry computation's signature."""
+  hlo, = dump.glob("*train_step*after_optimizations.txt")
+  text = hlo.read_text()
+  signature = next(line for line in text.splitlines() if line.startswith("ENTRY"))
+  stacked = {dims for dims in re.findall(r"f32\[(\d+(?:,\d+)+)\]", signature.split("->")[0])
+             if int(dims.split(",")[0]) == layers}
+  return {dims for dims in stacked if f"bf16[{dims}]" in text}, stacked
+
+
+@pytest.fixture(scope="module")
+def tpu_dumps(model_path, tmp_path_factory):
+  """The TPU compiler's dumps of the step with 1 and 4 microbatches."""
+  root = tmp_path_factory.mktemp("tpu-accumulation")
   for m in (1, 4):
-    aot.compile_on_tpu(config(request(model_path, m)), "v5e", DEVICES, dump=tmp_path / str(m))
-    total[m] = _dump_total(tmp_path / str(m))
+    aot.compile_on_tpu(config(request(model_path, m)), "v5e", DEVICES, dump=root / str(m))
+  return {m: root / str(m) for m in (1, 4)}
+
+
+needs_libtpu = pytest.mark.skipif(
+    not aot.libtpu_available(),
+    reason="libtpu is not installed (pip install 'jax[tpu]==0.10.2'; it needs no TPU)")
+
+
+@needs_libtpu
+def test_tpu_accumulation_within_one_microbatch_of_activations(model_path, tpu_dumps):
+  total = {m: _dump_total(d) for m, d in tpu_dumps.items()}
   assert total[4] <= total[1] + activations(model_path, 4), total
+
+
+@needs_libtpu
+def test_tpu_accumulating_layer_scan_holds_no_bf16_copy_of_the_stack(model_path, tpu_dumps):
+  """With 4 microbatches the layer scan casts each layer's fp32 weights as it runs it, and
+  the TPU compiler keeps it so (it moved a plain cast of each layer's slice onto the whole
+  stack, out of both loops: shardlab/parallel/accumulate.py's _cast_in_loop). One
+  microbatch reads the step's bf16 working copy, so there every stacked param has its
+  bf16 twin: the check finds one where there is one."""
+  layers = registry.load(model_path).n_layers
+  twins, stacked = _bf16_twins_of_the_stack(tpu_dumps[4], layers)
+  assert stacked and not twins, (twins, stacked)
+  assert _bf16_twins_of_the_stack(tpu_dumps[1], layers)[0] == stacked

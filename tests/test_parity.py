@@ -157,6 +157,28 @@ def test_bf16_compute_matches_one_device():
                        rtol=0.1, scaled_atol=0.1)
 
 
+def test_bf16_layers_cast_one_at_a_time_train_as_the_working_copy_does():
+  """Under the bf16 policy, accumulating microbatches under full remat, the layer scan reads
+  the stored fp32 weights and casts each layer as it runs it, where it used to read the
+  step's bf16 working copy of the whole stack (shardlab/parallel/accumulate.py): the same
+  bf16 values, so the same training, bit for bit, on fsdp (the layers gathered from their
+  fp32 shards)."""
+  settings = dict(precision="bf16", optimizer="adafactor", microbatches=4, remat="full")
+  r = H.run("fsdp", **settings)
+  with mock.patch.object(accumulate, "run", wraps=accumulate.run) as into_accumulator:
+    r.train_step.jitted.trace(*r.abstract_args)
+  stored = into_accumulator.call_args.args[2]
+  assert {x.dtype for x in stored} == {np.dtype(np.float32)}  # the cast happens per layer
+  final, history = r.train(r.fresh_state(like=initial("adafactor")), STEPS)
+  working = H.Run(r.cfg, None)
+  with H.layers_read_the_working_copy():
+    working.compiled_step
+  want, want_history = working.train(working.fresh_state(like=initial("adafactor")), STEPS)
+  assert history == want_history
+  H.assert_trees_equal(to_numpy(final.params), to_numpy(want.params), what="bf16 params")
+  assert want_history[-1]["loss"] < want_history[0]["loss"]
+
+
 @pytest.mark.parametrize("strategy", ["zero1", "zero2"])
 def test_zero_with_16_bit_gradients_matches_one_device(strategy):
   """ZeRO-1/2 with the bf16 policy and bf16 gradients (Figure 1's configuration): the

@@ -77,7 +77,7 @@ def _memory_lines(result) -> list[str]:
       (None, "gathered weights", mem.gathered), (None, "token batch", mem.batch)):
     how = e.accounting.get(key)
     note = "" if how is None else (
-        f"   {how['bytes_per_param']:g} B/param, " +
+        f"   {round(how['bytes_per_param'], 4):g} B/param, " +
         ("whole on every device" if how["divided_by"] <= 1 else f"÷ {how['divided_by']:g}"))
     lines.append(f"  {label:18s}{gib(value, 9)}{note}")
   verdict = "fits" if e.fits else "DOES NOT FIT"

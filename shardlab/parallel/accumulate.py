@@ -31,23 +31,25 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("shardlab_accumulate", 
 
 
 class _Registry:
-  """The accumulator leaves of one microbatch's differentiation, keyed by the working
-  weights (their tracers) they accumulate; each is handed out once, so a stack run twice
-  adds its second run's gradient the usual way (through the weights' own cotangent)."""
+  """The accumulator and stored weights of each working weight (keyed by its tracer) of one
+  microbatch's differentiation; each is handed out once, so a stack run twice adds its
+  second run's gradient the usual way (through the weights' own cotangent)."""
 
-  def __init__(self, weights: list, accumulators: list, grad_dtype):
-    self.by_id = {id(w): a for w, a in zip(weights, accumulators)}
+  def __init__(self, working: list, stored: list, accumulators: list, grad_dtype):
+    self.by_id = {id(w): (s, a) for w, s, a in zip(working, stored, accumulators)}
     self.grad_dtype = grad_dtype
     self.taken: set[int] = set()
 
-  def take(self, leaves: list) -> list | None:
-    """The accumulator of each of `leaves` (None for one that is not trained); None when no
-    leaf is trained or one was handed out already."""
+  def take(self, leaves: list) -> tuple[list, list] | None:
+    """(the stored weights of each of `leaves` — the leaf itself where it is not trained —,
+    the accumulator of each, None where not trained); None when no leaf is trained or one
+    was handed out already."""
     ids = [id(leaf) for leaf in leaves]
     if not any(i in self.by_id for i in ids) or self.taken.intersection(ids):
       return None
     self.taken.update(i for i in ids if i in self.by_id)
-    return [self.by_id.get(i) for i in ids]
+    found = [self.by_id.get(i, (leaf, None)) for i, leaf in zip(ids, leaves)]
+    return [s for s, _ in found], [a for _, a in found]
 
 
 def active() -> _Registry | None:
@@ -55,8 +57,8 @@ def active() -> _Registry | None:
 
 
 @contextlib.contextmanager
-def _registered(weights: list, accumulators: list, grad_dtype):
-  registry = _Registry(weights, accumulators, grad_dtype)
+def _registered(working: list, stored: list, accumulators: list, grad_dtype):
+  registry = _Registry(working, stored, accumulators, grad_dtype)
   token = _ACTIVE.set(registry)
   try:
     yield registry
@@ -64,46 +66,53 @@ def _registered(weights: list, accumulators: list, grad_dtype):
     _ACTIVE.reset(token)
 
 
-def differentiate(loss_fn, working, acc, grad_dtype):
-  """((value, aux), gradients, [accumulator or None per leaf]) of `loss_fn(working)` ->
-  (value, aux), differentiated with the accumulator registered. Where a layer scan took a
-  leaf's accumulator the entry is its cotangent, the accumulator plus this microbatch's
-  gradient from that scan, and the leaf's gradient holds only what reached it elsewhere
-  (zero, unless the stack ran twice); elsewhere the entry is None."""
+def differentiate(loss_fn, stored, cast, acc, grad_dtype):
+  """((value, aux), gradients w.r.t. `stored`, [accumulator or None per leaf]) of
+  `loss_fn(cast(stored))` -> (value, aux), differentiated with the accumulator registered.
+  Where a layer scan took a leaf's accumulator the entry is its cotangent, the accumulator
+  plus this microbatch's gradient from that scan, and the leaf's gradient holds only what
+  reached it elsewhere (zero, unless the stack ran twice); elsewhere the entry is None. Such
+  a scan casts its stored weights to the working dtype one layer at a time, so the cast of
+  the whole stack is left unused and never held."""
   taken: list[bool] = []
 
-  def loss(w, a):
-    wl, al = jax.tree.leaves(w), jax.tree.leaves(a)
-    with _registered(wl, al, grad_dtype) as registry:
+  def loss(s, a):
+    w = cast(s)
+    wl = jax.tree.leaves(w)
+    with _registered(wl, jax.tree.leaves(s), jax.tree.leaves(a), grad_dtype) as registry:
       out = loss_fn(w)
     taken[:] = [id(leaf) in registry.taken for leaf in wl]
     return out
 
   (value, aux), (grads, acc_grads) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
-      working, acc)
+      stored, acc)
   return (value, aux), grads, [g if t else None for g, t in zip(jax.tree.leaves(acc_grads),
                                                                  taken)]
 
 
-def run(layer, stacked, carry, args, accumulators: list, grad_dtype, unroll: int = 1):
+def run(layer, stacked, stored: list, carry, args, accumulators: list, grad_dtype,
+        unroll: int = 1):
   """`layer(layer_state, carry, args) -> carry` over the stack (lax.scan), with the backward
   pass adding each trained leaf's layer gradient into `accumulators` (per leaf of `stacked`,
-  None for a leaf not trained)."""
-  s_leaves, s_def = jax.tree.flatten(stacked)
+  None for a leaf not trained). The layers read `stored` (per leaf of `stacked`), cast one
+  layer at a time to the dtype of `stacked`'s leaf."""
+  s_def = jax.tree.structure(stacked)
+  dtypes = [leaf.dtype for leaf in jax.tree.leaves(stacked)]
+  s_leaves = list(stored)
   trained = [a is not None for a in accumulators]
   acc = [a for a in accumulators if a is not None]
   arrays, full_args = _arrays_of(args)
 
-  def layer_of_arrays(state, c, arrays):
+  def layer_of_arrays(i, leaves, c, arrays):
+    state = jax.tree.unflatten(s_def, _cast_in_loop(leaves, dtypes, i))
     return layer(state, c, full_args(arrays))
 
   def forward(stack_leaves, carry, args):
-    state = jax.tree.unflatten(s_def, stack_leaves)
+    def body(c, xs):
+      return layer_of_arrays(*xs, c, args), c
 
-    def body(c, layer_state):
-      return layer_of_arrays(layer_state, c, args), c
-
-    return jax.lax.scan(body, carry, state, unroll=unroll)
+    n = stack_leaves[0].shape[0]
+    return jax.lax.scan(body, carry, (jnp.arange(n), stack_leaves), unroll=unroll)
 
   @jax.custom_vjp
   def stack(stack_leaves, acc, carry, args):
@@ -115,14 +124,27 @@ def run(layer, stacked, carry, args, accumulators: list, grad_dtype, unroll: int
 
   def stack_bwd(res, ct):
     stack_leaves, acc, inputs, args = res
-    layer_vjp = lambda leaves, x, ct: jax.vjp(layer_of_arrays, jax.tree.unflatten(
-        s_def, leaves), x, args)[1](ct)
+    layer_vjp = lambda i, leaves, x, ct: jax.vjp(
+        lambda *a: layer_of_arrays(i, *a), leaves, x, args)[1](ct)
     acc, ct, ct_args = _backward(layer_vjp, stack_leaves, inputs, args, acc, ct, trained,
                                  grad_dtype)
     return None, acc, ct, ct_args
 
   stack.defvjp(stack_fwd, stack_bwd)
   return stack(s_leaves, acc, carry, arrays)
+
+
+def _cast_in_loop(leaves: list, dtypes: list, index) -> list:
+  """`leaves` (layer `index`'s stored weights) cast to `dtypes`, inside the layer loop. XLA
+  moves a cast of a loop-invariant array's slice onto the whole array and out of the loop
+  (the TPU compiler does, and out of the microbatch loop too): a working copy of the stack
+  held through the step, the very bytes this path exists to save. Adding a zero made from
+  the layer index makes the cast's input vary per iteration, so it stays per layer (XLA
+  does not fold float·0: NaN and infinity), and is known when the iteration starts, so the
+  next layer's weights are still fetched while this one computes."""
+  zero = jax.lax.stop_gradient(index.astype(jnp.float32) * 0)
+  return [x if x.dtype == d else (x + zero.astype(x.dtype)).astype(d)
+          for x, d in zip(leaves, dtypes)]
 
 
 def _backward(layer_vjp, stack_leaves, inputs, args, acc, ct, trained, grad_dtype):
@@ -134,7 +156,7 @@ def _backward(layer_vjp, stack_leaves, inputs, args, acc, ct, trained, grad_dtyp
   def body(c, xs):
     ct, acc, ct_args = c
     i, layer_leaves, layer_input = xs
-    d_state, ct, d_args = layer_vjp(layer_leaves, layer_input, ct)
+    d_state, ct, d_args = layer_vjp(i, layer_leaves, layer_input, ct)
     grads = [g for g, t in zip(jax.tree.leaves(d_state), trained) if t]
     acc = [jax.lax.dynamic_update_index_in_dim(
         a, a[i] + g.astype(grad_dtype).astype(a.dtype), i, 0) for a, g in zip(acc, grads)]

@@ -75,8 +75,9 @@ def scan(layers: nnx.Module, x, args: tuple, call: Call, remat: str = "none",
   registry = accumulate.active() if remat == "full" and per_layer is None else None
   into = registry and registry.take(jax.tree.leaves(stacked))
   if into:  # the step accumulates microbatches: into the accumulator, layer by layer
-    x, totals = accumulate.run(lambda *a: one_layer(*a)[0], stacked, (x, zeros), args, into,
-                               registry.grad_dtype, unroll)
+    stored, accumulators = into
+    x, totals = accumulate.run(lambda *a: one_layer(*a)[0], stacked, stored, (x, zeros), args,
+                               accumulators, registry.grad_dtype, unroll)
     return x, None, totals
   if remat != "none":
     body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)

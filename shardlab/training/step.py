@@ -67,13 +67,15 @@ def model_loss(loss_fn: LossFn, abstract: Abstract):
   return lambda params, batch: loss(precision.cast_for_compute(params, abstract.policy), batch)
 
 
-def _grads(loss_fn, working, batch, microbatches: int, grad_dtype, grad_shardings,
+def _grads(loss_fn, stored, cast, batch, microbatches: int, grad_dtype, grad_shardings,
            batch_sharding):
-  """((loss, aux), gradients of `loss_fn(working, batch) -> (loss, aux)` w.r.t. `working`,
-  in `grad_dtype`, reduced to `grad_shardings`). Microbatches' gradients are reduced as they
-  come and summed in fp32: a full-remat layer stack's straight into the accumulator, layer by
-  layer, in its backward pass (shardlab/parallel/accumulate.py); the rest once each
-  microbatch's backward pass is done."""
+  """((loss, aux), gradients of `loss_fn(cast(stored), batch) -> (loss, aux)` w.r.t. the
+  working copy `cast(stored)`, in `grad_dtype`, reduced to `grad_shardings`). Microbatches'
+  gradients are reduced as they come and summed in fp32: a full-remat layer stack's straight
+  into the accumulator, layer by layer, in its backward pass, which reads the stored weights
+  and casts one layer at a time (shardlab/parallel/accumulate.py): no working copy of the
+  stack is held through the step. The rest are added once each microbatch's backward pass
+  is done."""
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
   def reduced(grads):
@@ -84,7 +86,7 @@ def _grads(loss_fn, working, batch, microbatches: int, grad_dtype, grad_sharding
     return jax.lax.with_sharding_constraint(grads, grad_shardings)
 
   if microbatches == 1:
-    out, grads = grad_fn(working, batch)
+    out, grads = grad_fn(cast(stored), batch)
     return out, reduced(grads)
 
   # Microbatch j takes rows j, j+m, j+2m, ...: every device keeps its own rows, no reshuffle.
@@ -95,7 +97,7 @@ def _grads(loss_fn, working, batch, microbatches: int, grad_dtype, grad_sharding
   def one_microbatch(carry, mb):
     out_sum, acc = carry
     mb = jax.lax.with_sharding_constraint(mb, batch_sharding)
-    out, grads, into = accumulate.differentiate(lambda w: loss_fn(w, mb), working, acc,
+    out, grads, into = accumulate.differentiate(lambda w: loss_fn(w, mb), stored, cast, acc,
                                                 grad_dtype)
     a_leaves, a_def = jax.tree.flatten(acc)
     summed = [(a if new is None else new) + g.astype(jnp.float32) for a, g, new in
@@ -104,9 +106,10 @@ def _grads(loss_fn, working, batch, microbatches: int, grad_dtype, grad_sharding
     return (jax.tree.map(lambda c, o: c + o.astype(jnp.float32), out_sum, out), acc), None
 
   micro = jax.tree.map(split, batch)
-  out_shape = jax.eval_shape(loss_fn, working, jax.tree.map(lambda leaf: leaf[0], micro))
+  out_shape = jax.eval_shape(lambda s, b: loss_fn(cast(s), b), stored,
+                             jax.tree.map(lambda leaf: leaf[0], micro))
   zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), out_shape)
-  acc = jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), working)
+  acc = jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), stored)
   acc = jax.lax.with_sharding_constraint(acc, grad_shardings)
   (out, acc), _ = jax.lax.scan(one_microbatch, (zeros, acc), micro)
   return jax.tree.map(lambda leaf: leaf / microbatches, (out, acc))
@@ -174,11 +177,15 @@ def make_train_step(loss_fn: LossFn, abstract: Abstract, shardings: Shardings, *
 
   def train_step(state: TrainState, batch):
     with activation_rules(shardings.mesh, shardings.rules, pipe, early_grads, schedule=kind):
-      working = working_copy(_on_device(state.params, shardings.on_device.params), abstract,
-                             shardings)
+      stored = _on_device(state.params, shardings.on_device.params)
+      working = working_copy(stored, abstract, shardings)
       fixed = abstract.fixed(working)
+      # ZeRO-1/2 gather the working copy whole once per step; otherwise the trained weights
+      # are cast where they are read (one layer at a time in an accumulating layer scan).
+      source = working if shardings.rules.working is not None else stored
+      cast = lambda tree: precision.cast_for_compute(tree, abstract.policy)
       (value, aux), grads = _grads(lambda w, b: loss_of(w, fixed, b),
-                                   abstract.trainable(working), batch, looped, dtype,
+                                   abstract.trainable(source), cast, batch, looped, dtype,
                                    abstract.trainable(shardings.grads), shardings.batch)
       if shardings.offloaded:
         # The stored weights and optimizer state come in from host memory only now, for the

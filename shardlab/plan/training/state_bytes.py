@@ -12,7 +12,9 @@ How shardlab's precision policies map onto ZeRO's categories:
   fp32         params = the fp32 weights forward reads; master = the stored weights only
                where they are sharded finer than that (zero1/zero2).
   bf16         params = the bf16 working copy (alive through forward and backward);
-               master = the stored fp32 weights.
+               master = the stored fp32 weights. Accumulating microbatches under full
+               remat, the layer stack reads its stored weights cast one layer at a time
+               (shardlab/parallel/accumulate.py): no working copy of the stack is held.
   bf16-params  params = the bf16 weights; optimizer state in bf16.
 Gradients are in train.grad_dtype (the stored weights' dtype by default) and the strategy's
 gradient sharding.
@@ -44,10 +46,11 @@ def model_state(abstract, sh, policy, microbatches: int, grad_dtype,
   (another dtype, or sharded while the copy is whole; a frozen param is stored in the
   compute dtype). grads: of the trained params, in `grad_dtype`, where the strategy reduces
   them, plus an fp32 accumulator with microbatches; `in_scan`: the layer stack's gradients
-  go straight into it (shardlab/parallel/accumulate.py), so the stacked params hold the
-  accumulator alone. Under offload "opt_state" the stored
-  weights and the optimizer state are host bytes instead (XLA streams each leaf in for its
-  update; the stream's buffers are small beside the activations' peak)."""
+  go straight into it and its layers are cast from the stored weights one at a time
+  (shardlab/parallel/accumulate.py), so the stacked trained params hold the accumulator
+  alone and, unless ZeRO-1/2 gather it whole, no working copy. Under offload "opt_state"
+  the stored weights and the optimizer state are host bytes instead (XLA streams each leaf
+  in for its update; the stream's buffers are small beside the activations' peak)."""
   params_abs = abstract.state.params
   working = tree_shard_bytes(params_abs, sh.working, policy.compute_dtype)
   opt = tree_shard_bytes(abstract.state.opt_state, sh.state.opt_state)
@@ -55,7 +58,8 @@ def model_state(abstract, sh, policy, microbatches: int, grad_dtype,
   grads = tree_shard_bytes(trained, grad_sh, grad_dtype)
   if microbatches > 1:
     if in_scan:  # no per-microbatch gradient of the stacked params beside the accumulator
-      grads -= _stack_gradient_bytes(abstract, sh, grad_dtype, per_device=True)
+      grads -= _stack_bytes(abstract, sh.grads, lambda a: grad_dtype, per_device=True)
+      working -= _stack_working_copy_bytes(abstract, sh, policy, per_device=True)
     grads += tree_shard_bytes(trained, grad_sh, jnp.float32)
   master = sum(0.0 if _is_working_copy(a, sh, policy) else tree_shard_bytes(a, s)
                for a, s in zip(jax.tree.leaves(params_abs), jax.tree.leaves(sh.state.params)))
@@ -67,17 +71,27 @@ def model_state(abstract, sh, policy, microbatches: int, grad_dtype,
               stored=stored)
 
 
-def _stack_gradient_bytes(abstract, sh, grad_dtype, per_device: bool) -> float:
-  """One microbatch's gradient of the layer stack's trained params (leading `layers`), per
-  device or whole: what accumulating inside the layer scan does not hold."""
+def _stack_bytes(abstract, shardings, dtype_of, per_device: bool) -> float:
+  """Bytes of the layer stack's trained params (leading `layers`) in `dtype_of(param)`
+  (None: not counted), sharded as `shardings` per device or whole: one microbatch's
+  gradient, or the working copy, which accumulating inside the layer scan does not hold."""
   params = jax.tree.leaves(abstract.state.params)
   names = jax.tree.leaves(abstract.names, is_leaf=lambda x: isinstance(x, tuple))
   frozen = (jax.tree.leaves(abstract.frozen) if abstract.frozen is not None
             else [False] * len(params))
-  return itemsize(grad_dtype) * sum(
-      math.prod(s.shard_shape(a.shape) if per_device else a.shape)
-      for a, n, s, f in zip(params, names, jax.tree.leaves(sh.grads), frozen)
-      if not f and n[:1] == ("layers",))
+  return sum(itemsize(dtype_of(a)) * math.prod(s.shard_shape(a.shape) if per_device else a.shape)
+             for a, n, s, f in zip(params, names, jax.tree.leaves(shardings), frozen)
+             if not f and n[:1] == ("layers",) and dtype_of(a) is not None)
+
+
+def _stack_working_copy_bytes(abstract, sh, policy, per_device: bool) -> float:
+  """The working copy of the stack's trained params that the accumulating scan does not
+  hold: none under ZeRO-1/2 (gathered whole once a step) or where the stored param is the
+  copy forward reads."""
+  if sh.rules.working is not None:
+    return 0.0
+  return _stack_bytes(abstract, sh.working, lambda a: None if _is_working_copy(a, sh, policy)
+                      else policy.compute_dtype, per_device)
 
 
 def state_accounting(abstract, sh, state: dict, policy, microbatches: int,
@@ -89,9 +103,11 @@ def state_accounting(abstract, sh, state: dict, policy, microbatches: int,
   n = size(leaves)
   grads = size(abstract.trainable(abstract.state.params)) * (
       itemsize(grad_dtype) + (4 if microbatches > 1 else 0))
+  params = n * itemsize(policy.compute_dtype)
   if microbatches > 1 and in_scan:
-    grads -= _stack_gradient_bytes(abstract, sh, grad_dtype, per_device=False)
-  whole = {"params": n * itemsize(policy.compute_dtype), "grads": grads,
+    grads -= _stack_bytes(abstract, sh.grads, lambda a: grad_dtype, per_device=False)
+    params -= _stack_working_copy_bytes(abstract, sh, policy, per_device=False)
+  whole = {"params": params, "grads": grads,
            "master": sum(math.prod(a.shape) * itemsize(a.dtype) for a in leaves
                          if not _is_working_copy(a, sh, policy)),
            "opt_state": sum(math.prod(a.shape) * itemsize(a.dtype)
