@@ -4,12 +4,10 @@ tree comparison. Collectives in compiled HLO are read by the product's parser,
 shardlab.observe.hlo.
 """
 
-import contextlib
 import dataclasses
 import functools
 import importlib.util
 from pathlib import Path
-from unittest import mock
 
 import jax
 import numpy as np
@@ -17,7 +15,6 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardlab import config
-from shardlab.parallel import accumulate
 from shardlab.sharding import mesh as mesh_lib
 from shardlab.sharding import rules as rules_lib
 from shardlab.training import state as state_lib
@@ -138,21 +135,6 @@ class Run:
       state, metrics = self.compiled_step(state, self.batch(first_seed + i))
       history.append({k: float(v) for k, v in metrics.items()})
     return state, history
-
-
-@contextlib.contextmanager
-def layers_read_the_working_copy():
-  """The switch-off for the accumulating layer scan's per-layer cast: within it, a step
-  traced reads the step's whole-stack working copy instead of the stored weights, as it did
-  before (shardlab/parallel/accumulate.py)."""
-  take = accumulate._Registry.take
-
-  def working(self, leaves):
-    found = take(self, leaves)
-    return found and (list(leaves), found[1])
-
-  with mock.patch.object(accumulate._Registry, "take", working):
-    yield
 
 
 _RUNS: dict = {}

@@ -12,7 +12,6 @@ from unittest import mock
 
 import pytest
 
-import helpers as H
 from shardlab.models import registry
 from shardlab.parallel import accumulate
 from shardlab.plan.compiled import aot
@@ -89,7 +88,7 @@ def test_cpu_accumulation_inside_the_layer_scan_holds_no_second_gradient_nor_wor
     return r.argument_bytes + r.temp_bytes
 
   shipped = compiled()
-  with H.layers_read_the_working_copy():
+  with accumulate.reading_the_working_copy():
     working = compiled()
   with mock.patch.object(accumulate, "active", return_value=None):
     after = compiled()

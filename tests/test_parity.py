@@ -171,7 +171,7 @@ def test_bf16_layers_cast_one_at_a_time_train_as_the_working_copy_does():
   assert {x.dtype for x in stored} == {np.dtype(np.float32)}  # the cast happens per layer
   final, history = r.train(r.fresh_state(like=initial("adafactor")), STEPS)
   working = H.Run(r.cfg, None)
-  with H.layers_read_the_working_copy():
+  with accumulate.reading_the_working_copy():
     working.compiled_step
   want, want_history = working.train(working.fresh_state(like=initial("adafactor")), STEPS)
   assert history == want_history

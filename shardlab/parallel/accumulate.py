@@ -18,6 +18,12 @@ the others' gradients as before. The backward recomputes each layer's forward fr
 input: remat "full"'s work, so only a full-remat scan takes this path. A scan is recognised
 by its stack's weights being the very arrays the step differentiates: a model that reshapes
 them on the way (Gemma's groups of layers) accumulates as before, after each microbatch.
+
+The same scan reads the stored (fp32) weights rather than the step's bf16 working copy, and
+casts each layer as it runs it, forward and in the backward's recompute: no working copy of
+the stack is held through the step, 2 bytes a parameter (with the fp32 accumulator 4, master
+weights 4 and Adam's moments 8: ZeRO's 16). The cast of the whole stack the step makes is
+then left unused, and XLA drops it.
 """
 
 import contextlib
@@ -28,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("shardlab_accumulate", default=None)
+_WORKING_COPY: contextvars.ContextVar = contextvars.ContextVar("shardlab_accumulate_working",
+                                                               default=False)
 
 
 class _Registry:
@@ -49,11 +57,25 @@ class _Registry:
       return None
     self.taken.update(i for i in ids if i in self.by_id)
     found = [self.by_id.get(i, (leaf, None)) for i, leaf in zip(ids, leaves)]
-    return [s for s, _ in found], [a for _, a in found]
+    stored = list(leaves) if _WORKING_COPY.get() else [s for s, _ in found]
+    return stored, [a for _, a in found]
 
 
 def active() -> _Registry | None:
   return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def reading_the_working_copy():
+  """Within it, a step traced has its accumulating layer scans read the step's bf16
+  working copy of the whole stack rather than cast each layer from the stored weights:
+  the per-layer cast switched off, for A/B measurements (bench/accumulation.py) and the
+  tests that prove what it saves."""
+  token = _WORKING_COPY.set(True)
+  try:
+    yield
+  finally:
+    _WORKING_COPY.reset(token)
 
 
 @contextlib.contextmanager
