@@ -129,6 +129,18 @@ def working_copy(params, abstract: Abstract, shardings: Shardings):
   return jax.lax.with_sharding_constraint(working, shardings.working)
 
 
+def _read_params(params, abstract: Abstract, shardings: Shardings):
+  """(the frozen params' working copy, the trained params the step differentiates, the cast
+  that makes their working copy). ZeRO-1/2 gather the working copy whole once per step, so
+  the trained params are that copy (the cast a no-op); otherwise they are the stored weights,
+  cast where they are read: one layer at a time in an accumulating layer scan."""
+  stored = _on_device(params, shardings.on_device.params)
+  working = working_copy(stored, abstract, shardings)
+  source = working if shardings.rules.working is not None else stored
+  return (abstract.fixed(working), abstract.trainable(source),
+          lambda tree: precision.cast_for_compute(tree, abstract.policy))
+
+
 NONFINITE_POLICIES = ("stop", "skip")
 
 
@@ -177,16 +189,10 @@ def make_train_step(loss_fn: LossFn, abstract: Abstract, shardings: Shardings, *
 
   def train_step(state: TrainState, batch):
     with activation_rules(shardings.mesh, shardings.rules, pipe, early_grads, schedule=kind):
-      stored = _on_device(state.params, shardings.on_device.params)
-      working = working_copy(stored, abstract, shardings)
-      fixed = abstract.fixed(working)
-      # ZeRO-1/2 gather the working copy whole once per step; otherwise the trained weights
-      # are cast where they are read (one layer at a time in an accumulating layer scan).
-      source = working if shardings.rules.working is not None else stored
-      cast = lambda tree: precision.cast_for_compute(tree, abstract.policy)
-      (value, aux), grads = _grads(lambda w, b: loss_of(w, fixed, b),
-                                   abstract.trainable(source), cast, batch, looped, dtype,
-                                   abstract.trainable(shardings.grads), shardings.batch)
+      fixed, source, cast = _read_params(state.params, abstract, shardings)
+      (value, aux), grads = _grads(lambda w, b: loss_of(w, fixed, b), source, cast, batch,
+                                   looped, dtype, abstract.trainable(shardings.grads),
+                                   shardings.batch)
       if shardings.offloaded:
         # The stored weights and optimizer state come in from host memory only now, for the
         # update (the barrier keeps XLA from fetching them before the gradients exist); the
