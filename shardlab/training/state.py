@@ -235,6 +235,13 @@ def placed(abstract_tree, sharding_tree):
                       abstract_tree, sharding_tree)
 
 
+# XLA:CPU spends longer optimising the initialiser's machine code than the initialiser runs
+# (once): at LLVM optimisation level 1 the default run's init compiles in 1.1 s instead of
+# 2.2 to the same values bit for bit (tests/test_init_state.py). Level 0 is faster still but
+# contracts the samplers' arithmetic differently (values 1 ulp off).
+INIT_COMPILER_OPTIONS = {"cpu": {"xla_backend_optimization_level": 1}}
+
+
 def init_state(abstract: Abstract, shardings_: Shardings) -> TrainState:
   """Initialises every leaf directly on its shard (jit with out_shardings): no device ever
   holds an unsharded copy."""
@@ -246,4 +253,6 @@ def init_state(abstract: Abstract, shardings_: Shardings) -> TrainState:
     return TrainState(jnp.zeros((), jnp.int32), params,
                       abstract.optimizer.init(abstract.trainable(params)))
 
-  return jax.jit(init, out_shardings=shardings_.state)()
+  lowered = jax.jit(init, out_shardings=shardings_.state).lower()
+  platform = shardings_.mesh.devices.flat[0].platform
+  return lowered.compile(compiler_options=INIT_COMPILER_OPTIONS.get(platform))()
