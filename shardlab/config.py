@@ -56,7 +56,7 @@ class TrainConfig:
   scan_unroll: int = 1  # layers per layer-scan iteration; n_layers unrolls (performance.md)
   offload: str = "none"  # "opt_state": master weights and optimizer state in host memory
   seed: int = 0
-  log_every: int = 10
+  log_every: int = 10  # steps between logged ones (step 1 and the last are logged too)
   eval_batches: int = 8
   eval_every: int = 0  # held-out loss every N steps (0: only at the end)
   # A step whose loss or gradient norm is not finite: "stop" the run (exit 3, nothing saved

@@ -106,7 +106,7 @@ def test_run_dir_cadence_and_parity(mesh, tmp_path):
                        run_dir=str(tmp_path), checkpoint_dir=str(ckpt), checkpoint_every=4,
                        microbatches=2)
   lines = records(tmp_path)
-  assert sorted(losses(tmp_path)) == [2, 4, 6]
+  assert sorted(losses(tmp_path)) == [1, 2, 4, 6]  # step 1, then every log_every
   assert all("max_error" in r and "grad_norm" in r for r in lines if "loss" in r)
   evals = [(r["step"], r["eval_loss"]) for r in lines if "eval_loss" in r]
   assert [s for s, _ in evals] == [3, 6] and lines[-1] == {"step": 6, "eval_loss": evals[-1][1]}
@@ -123,7 +123,7 @@ def test_run_dir_cadence_and_parity(mesh, tmp_path):
   for k in range(STEPS):
     hand, metrics = step(hand, jax.device_put(batch(k), shardings.batch))
     by_hand[k + 1] = float(metrics["loss"])
-  assert losses(tmp_path) == {k: by_hand[k] for k in (2, 4, 6)}
+  assert losses(tmp_path) == {k: by_hand[k] for k in (1, 2, 4, 6)}
   assert same_params(state.params, hand.params)
   evaluate = sl.eval_step(loss_fn, abstract, shardings, microbatches=2)
   held_out = np.mean([float(evaluate(hand.params, jax.device_put(b, shardings.batch)))

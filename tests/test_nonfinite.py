@@ -47,7 +47,7 @@ def test_stop_policy_exits_3_and_keeps_the_last_finite_checkpoint(tmp_path, caps
   assert f"Last good checkpoint: step 4 in {directory}" in err
   assert "lower train.lr (now 100000)" in err and "raise train.warmup_steps (now 2)" in err
   assert saved_steps(directory) == [2, 4]
-  assert fetched == [0, 2, 4, 6]  # the host reads the counts only at saves and log steps
+  assert fetched == [0, 1, 2, 4, 6]  # the host reads the counts only at saves and log steps
   cfg = small_config(tmp_path, train__lr=1e5)
   step, params = final_params(directory, cfg)
   assert step == 4 and all(np.isfinite(p).all() for p in jax.tree.leaves(params))

@@ -33,7 +33,7 @@ def test_run_dir_holds_metrics_events_plot_and_profile(tmp_path, capsys):
 
   lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
   records = [r for r in lines if "loss" in r]
-  assert [r["step"] for r in records] == [2, 4]
+  assert [r["step"] for r in records] == [1, 2, 4]  # step 1, then every log_every
   # The final held-out loss ends the file, as train.eval_every's losses are recorded.
   assert lines[-1] == {"step": 4, "eval_loss": pytest.approx(summary["held_out_loss"])}
   assert all(r["tflops_per_device"] > 0 and 0 < r["mfu"] <= 1 for r in records)

@@ -51,7 +51,9 @@ class Logger:
                             if tokens_per_step is None else tokens_per_step)
 
   def due(self, done: int) -> bool:
-    return done % self.cfg.train.log_every == 0 or done == self.cfg.train.steps
+    # Step 1 too: the first line shows the run training (its loss, its first step's time,
+    # with the first run's own overheads) as soon as one step has run, not log_every later.
+    return done == 1 or done % self.cfg.train.log_every == 0 or done == self.cfg.train.steps
 
   def log(self, done: int, metrics, counts: dict) -> None:
     """Writes the step's metrics; `counts` (NonFiniteGuard's) turn the per-step `skipped`
