@@ -4,6 +4,7 @@ tokens (docs/data.md)."""
 
 import dataclasses
 import json
+import os
 import time
 
 import jax
@@ -15,7 +16,7 @@ from flax import nnx
 from shardlab import cli, config
 from shardlab.errors import ConfigError
 from shardlab.models import lm, registry
-from shardlab.data import feed, packing, sources, tokenizer, tokens
+from shardlab.data import corpus, feed, listing, packing, sources, tokenizer, tokens
 from shardlab.training import loop as train
 
 import helpers as H
@@ -32,8 +33,7 @@ def bpe(tmp_path_factory):
 
 
 def _stdlib():
-  from shardlab.data import corpus as data
-  return data._files(config.DataConfig())[0]
+  return corpus._files(config.DataConfig())[0]
 
 
 @pytest.fixture(scope="module")
@@ -251,3 +251,25 @@ def test_token_files_split_at_eos_and_refuse_ids_past_the_vocabulary(tmp_path):
   with pytest.raises(ConfigError, match=r"data.corpus '.*big.npy' holds token id 300, outside "
                                         r"the vocabulary of data.tokenizer 'bytes' \(256 ids\)"):
     feed.PackedFeed(config.DataConfig(corpus=str(tmp_path / "big.npy")), 0, 8, 4)
+
+
+def test_a_directory_corpus_lists_its_files_as_rglob_did(tmp_path):
+  """The data's byte order rests on the file order: listing.files_under gives rglob's files
+  in rglob's sorted order (names where string and path order differ, a link to a file, a
+  link to a directory not followed, a FIFO left out, `skip` pruned), and the chunked byte
+  counts give the unigram baseline that bincount over the whole corpus gives."""
+  for name in ("a/b/y.py", "a-b/x.py", "a.b", "a/site-packages/z.py", "c/d.txt"):
+    (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / name).write_text(name * 3)
+  (tmp_path / "link.py").symlink_to(tmp_path / "a-b" / "x.py")
+  (tmp_path / "dirlink").symlink_to(tmp_path / "c", target_is_directory=True)
+  os.mkfifo(tmp_path / "a" / "pipe")
+  assert listing.files_under(tmp_path) == sorted(p for p in tmp_path.rglob("*") if p.is_file())
+  assert listing.files_under(tmp_path, ".py", skip="site-packages") == sorted(
+      p for p in tmp_path.rglob("*.py") if "site-packages" not in p.parts)
+
+  data = np.random.default_rng(0).integers(0, 200, 3 * 2**20 + 17, dtype=np.uint8)
+  split = corpus.Corpus(data[:-1000], data[-1000:], "random")
+  counts = np.bincount(split.train, minlength=256).astype(np.float64) + 1.0
+  held = np.bincount(split.held_out, minlength=256)
+  assert split.unigram_loss() == float(-(held @ np.log(counts / counts.sum())) / held.sum())

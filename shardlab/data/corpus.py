@@ -17,7 +17,7 @@ import numpy as np
 
 from shardlab.config import DataConfig
 from shardlab.errors import ConfigError
-from shardlab.data import outdir, records
+from shardlab.data import listing, outdir, records
 
 VOCAB = 256
 
@@ -31,23 +31,32 @@ class Corpus:
   def unigram_loss(self) -> float:
     """Cross-entropy (nats/byte) of held-out text under the training bytes' unigram
     distribution: the loss a model that ignores context would reach."""
-    counts = np.bincount(self.train, minlength=VOCAB).astype(np.float64) + 1.0
+    counts = _byte_counts(self.train).astype(np.float64) + 1.0
     logp = np.log(counts / counts.sum())
-    held = np.bincount(self.held_out, minlength=VOCAB)  # not logp[held_out]: a 8× bigger copy
+    held = _byte_counts(self.held_out)  # not logp[held_out]: a 8× bigger copy
     return float(-(held @ logp) / held.sum())
+
+
+def _byte_counts(data: np.ndarray) -> np.ndarray:
+  """How often each byte value occurs, counted a slice at a time: bincount widens its input
+  to int64 first, and for the standard library's 30 MB that whole 240 MB copy took most of
+  the count's 0.2 s (0.04 s in slices)."""
+  step = 1 << 20
+  return sum((np.bincount(data[i:i + step], minlength=VOCAB) for i in range(0, len(data), step)),
+             np.zeros(VOCAB, np.int64))
 
 
 def _files(cfg: DataConfig) -> tuple[list[Path], str]:
   if cfg.corpus == "stdlib":
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py") if "site-packages" not in p.parts]
-    return sorted(files), f"Python {sysconfig.get_python_version()} standard library ({root})"
+    files = listing.files_under(root, ".py", skip="site-packages")
+    return files, f"Python {sysconfig.get_python_version()} standard library ({root})"
   path = Path(cfg.corpus)
   if not path.exists():
     raise ConfigError(f"data.corpus {cfg.corpus!r} does not exist; give a text file, a "
                       f"directory of text files, or 'stdlib'")
   if path.is_dir():  # regular files only: a FIFO or device inside would block or never end
-    files = sorted(p for p in path.rglob("*") if p.is_file())
+    files = listing.files_under(path)
     outdir.refuse_unfinished(files)  # an interrupted prepare's shards are not text
     _refuse_records(files)
     return files, str(path)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Iterator
 
 from shardlab.errors import ConfigError
-from shardlab.data import outdir, records
+from shardlab.data import listing, outdir, records
 
 
 def documents(source: str, text_field: str = "text", max_bytes: int | None = None,
@@ -59,7 +59,7 @@ def _text_files(source: str) -> list[Path]:
   if path.is_dir():
     if records.is_dataset_dir(path):
       return records.dataset_files(path)
-    files = sorted(p for p in path.rglob("*") if p.is_file())
+    files = listing.files_under(path)
     outdir.refuse_unfinished(files)
     return files
   if path.is_file():
