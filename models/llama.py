@@ -75,10 +75,9 @@ def rope_tables(positions_BxL, head_dim: int, theta: float, inv_freq=None):
 
 def apply_rope(x_BxLxHxE, cos_BxLxF, sin_BxLxF):
   """x rotated in the rotate-half layout, in fp32. Each half is cast back to x's dtype
-  before the halves are joined: the arithmetic and its one rounding are those of joining
-  in fp32 and casting after, but the TPU compiler then keeps no fp32 copy of the halves in
-  memory, forward or backward (llama2-7b on v5e-256: 1.022 s of compute a step against
-  1.085, bench/plan_tpu.py)."""
+  before the halves are joined: the same values as joining in fp32, but the TPU compiler
+  then keeps no fp32 copy of the halves in memory, forward or backward (llama2-7b on
+  v5e-256: 1.022 s of compute a step against 1.085, bench/plan_tpu.py)."""
   half = x_BxLxHxE.shape[-1] // 2
   x1 = x_BxLxHxE[..., :half].astype(jnp.float32)
   x2 = x_BxLxHxE[..., half:].astype(jnp.float32)
