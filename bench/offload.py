@@ -10,15 +10,14 @@ cpu   tiny and 125m on 8 simulated CPU devices (fsdp:8, bf16, 8 × 128 tokens): 
 lora  LoRA (rank 16 on q,k,v,o,gate,up,down) against a full fine-tune, same models and mesh:
       step time, trained parameters and compiled memory per device.
 tpu   the real TPU compiler for v5e-256 (libtpu, no TPU): llama2-7b at 1 × 2048 tokens per
-      chip and llama2-70b at 2 (a batch the reference trainer cannot fit), fsdp, bf16, plain
-      attention (the presets' `auto` would take the splash kernel on a TPU), per option:
-      device and host GiB per chip beside the planner's. Minutes per compile on two cores.
+      chip and llama2-70b at 2 (a batch the reference trainer cannot fit), fsdp, bf16, per
+      option: device and host GiB per chip beside the planner's. Minutes per compile on two
+      cores.
 Every timed step runs after compilation and warmup steps, each waited for. The last line is
 the results as JSON.
 """
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -68,8 +67,7 @@ def tpu_rows() -> list[dict]:
   from shardlab.plan.compiled import train_step as plan_compile
   from shardlab.plan.training import planner as plan
   rows = []
-  for preset, per_chip, name, overrides in TPU_CASES:
-    model = dataclasses.replace(registry.load(preset), attention="xla")
+  for model, per_chip, name, overrides in TPU_CASES:
     req = plan.Request.of(model=model, precision="bf16", global_batch=256 * per_chip,
                           seq_len=2048, remat="full", strategy="fsdp", devices=256,
                           target="tpu-v5e")
@@ -77,14 +75,14 @@ def tpu_rows() -> list[dict]:
                                  overrides)
     report = aot.compile_on_tpu(cfg, "v5e", 256)
     req = req.with_train(remat=cfg.train.remat, offload=cfg.train.offload)
-    est = plan.estimate(req, model, plan.hardware.get("tpu-v5e"),
+    est = plan.estimate(req, registry.load(model), plan.hardware.get("tpu-v5e"),
                         plan_compile._spec(req))
-    row = {"model": preset, "per_chip": per_chip, "option": name,
+    row = {"model": model, "per_chip": per_chip, "option": name,
            "device_gib": report.total_bytes / GiB, "host_gib": report.host_bytes / GiB,
            "planned_device_gib": est.memory.total / GiB, "planned_host_gib": est.memory.host / GiB,
            "fits": report.total_bytes <= est.usable_bytes, "compile_s": report.compile_s}
     rows.append(row)
-    print(f"{preset:10s} {per_chip}/chip {name:34s} device {row['device_gib']:6.2f} GiB "
+    print(f"{model:10s} {per_chip}/chip {name:34s} device {row['device_gib']:6.2f} GiB "
           f"(planned {row['planned_device_gib']:6.2f}), host {row['host_gib']:5.2f} GiB "
           f"(planned {row['planned_host_gib']:5.2f}); {'fits' if row['fits'] else 'does not fit'} "
           f"15.75 GiB; compiled in {row['compile_s']:.0f} s", flush=True)

@@ -186,7 +186,7 @@ def test_tpu_compile_moves_the_offloaded_bytes_to_the_host(tmp_path):
   gradients were reduced early, which left less beside them to drop). The offloaded state
   leaves it between steps, but the update streams it back in, and on a model this small the
   update is near the step's peak: the device falls by a fifth of it (33 of 153 MB; llama2-70b on v5e-256 falls by
-  most of it, 2.66 of 3.03 GiB, docs/offload.md)."""
+  most of it, 2.62 of 3.03 GiB, docs/offload.md)."""
   path = tmp_path / "tpu-small.toml"
   path.write_text(TPU_MODEL)
   model = registry.load(str(path))

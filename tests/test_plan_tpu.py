@@ -116,11 +116,11 @@ def test_gradients_are_reduced_in_the_matmul_dtype(tmp_path, grad_dtype):
 def test_planner_memory_matches_the_tpu_compiler_on_v5e_256(model, offload):
   """FSDP over a v5e-256, one 2048-token sequence per chip, full remat, bf16 compute over fp32
   weights (bench/plan_tpu.py's setup): the planner's per-chip total within 15% of the TPU
-  compiler's. Measured 1.12 (7b, 2.51 GiB compiled) and 0.88 (70b, 14.13 GiB); each compile
+  compiler's. Measured 1.11 (7b, 2.54 GiB compiled) and 0.89 (70b, 13.97 GiB); each compile
   takes about 70 s on 2 cores (twice that beside other work). The compiler reports about 1
   (7b) to 4 GiB (70b) more temporary memory than its HLO buffer assignment holds at its peak
   (seen in the dumped assignment); the formula's two layers of weights stand in for part of
-  it. With the optimizer state offloaded (7b: 2.45 GiB on the device, 0.32 in host memory)
+  it. With the optimizer state offloaded (7b: 2.48 GiB on the device, 0.32 in host memory)
   the state is host bytes; the compiler holds 33 MB more host memory than the state
   (measured 1.10, not broken down)."""
   # Plain attention, as measured (the presets run splash on a TPU: `attention = "auto"`).
