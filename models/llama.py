@@ -64,27 +64,21 @@ rms_norm.defvjp(_rms_norm_forward, _rms_norm_backward)
 
 
 def rope_tables(positions_BxL, head_dim: int, theta: float, inv_freq=None):
-  """cos/sin of shape B×L×(E/2), one per frequency: Hugging Face Llama's rotate-half layout
-  pairs element i with i + E/2, and both take frequency i; `inv_freq` (E/2,
-  models/rope.py) replaces the plain frequencies of `theta`."""
+  """cos/sin of shape B×L×E in the rotate-half layout that Hugging Face Llama uses;
+  `inv_freq` (E/2, models/rope.py) replaces the plain frequencies of `theta`."""
   if inv_freq is None:
     inv_freq = theta ** -(jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
   angles = positions_BxL.astype(jnp.float32)[..., None] * inv_freq
+  angles = jnp.concatenate([angles, angles], axis=-1)
   return jnp.cos(angles), jnp.sin(angles)
 
 
-def apply_rope(x_BxLxHxE, cos_BxLxF, sin_BxLxF):
-  """x rotated in the rotate-half layout, in fp32. Each half is cast back to x's dtype
-  before the halves are joined: the same values as joining in fp32, but the TPU compiler
-  then keeps no fp32 copy of the halves in memory, forward or backward (llama2-7b on
-  v5e-256: 1.022 s of compute a step against 1.085, bench/plan_tpu.py)."""
-  half = x_BxLxHxE.shape[-1] // 2
-  x1 = x_BxLxHxE[..., :half].astype(jnp.float32)
-  x2 = x_BxLxHxE[..., half:].astype(jnp.float32)
-  cos, sin = cos_BxLxF[:, :, None, :], sin_BxLxF[:, :, None, :]
-  dtype = x_BxLxHxE.dtype
-  return jnp.concatenate([(x1 * cos - x2 * sin).astype(dtype),
-                          (x2 * cos + x1 * sin).astype(dtype)], axis=-1)
+def apply_rope(x_BxLxHxE, cos_BxLxE, sin_BxLxE):
+  x = x_BxLxHxE.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  out = x * cos_BxLxE[:, :, None, :] + rotated * sin_BxLxE[:, :, None, :]
+  return out.astype(x_BxLxHxE.dtype)
 
 
 class Attention(nnx.Module):

@@ -35,7 +35,7 @@ def longrope_frequencies(cfg, factors: tuple[float, ...]) -> np.ndarray:
 
 
 def longrope_tables(cfg, positions_BxL):
-  """cos/sin B×L×(E/2) of LongRoPE, its factors picked by the longest position."""
+  """cos/sin B×L×E of LongRoPE, its factors picked by the longest position."""
   short, long = (longrope_frequencies(cfg, f) for f in cfg.longrope)
   past = jnp.max(positions_BxL) + 1 > cfg.rope_original_max_seq_len
   cos, sin = llama.rope_tables(positions_BxL, cfg.head_dim, cfg.rope_theta,
