@@ -256,8 +256,7 @@ def test_token_files_split_at_eos_and_refuse_ids_past_the_vocabulary(tmp_path):
 def test_a_directory_corpus_lists_its_files_as_rglob_did(tmp_path):
   """The data's byte order rests on the file order: listing.files_under gives rglob's files
   in rglob's sorted order (names where string and path order differ, a link to a file, a
-  link to a directory not followed, a FIFO left out, `skip` pruned), and the chunked byte
-  counts give the unigram baseline that bincount over the whole corpus gives."""
+  link to a directory not followed, a FIFO left out, `skip` pruned)."""
   for name in ("a/b/y.py", "a-b/x.py", "a.b", "a/site-packages/z.py", "c/d.txt"):
     (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / name).write_text(name * 3)
@@ -268,6 +267,9 @@ def test_a_directory_corpus_lists_its_files_as_rglob_did(tmp_path):
   assert listing.files_under(tmp_path, ".py", skip="site-packages") == sorted(
       p for p in tmp_path.rglob("*.py") if "site-packages" not in p.parts)
 
+
+def test_the_unigram_baseline_counted_in_slices_is_the_whole_count():
+  """Three 1 MiB slices and a remainder give the baseline one bincount over it all gives."""
   data = np.random.default_rng(0).integers(0, 200, 3 * 2**20 + 17, dtype=np.uint8)
   split = corpus.Corpus(data[:-1000], data[-1000:], "random")
   counts = np.bincount(split.train, minlength=256).astype(np.float64) + 1.0

@@ -236,8 +236,8 @@ def placed(abstract_tree, sharding_tree):
 
 
 # XLA:CPU spends longer optimising the initialiser's machine code than the initialiser runs
-# (once): at LLVM optimisation level 1 the default run's init compiles in 1.1 s instead of
-# 2.2 to the same values bit for bit (tests/test_init_state.py). Level 0 is faster still but
+# (once): at LLVM optimisation level 1 the default run's init compiles in 0.7 s instead of
+# 1.2 to the same values bit for bit (tests/test_init_state.py). Level 0 is faster still but
 # contracts the samplers' arithmetic differently (values 1 ulp off).
 INIT_COMPILER_OPTIONS = {"cpu": {"xla_backend_optimization_level": 1}}
 
