@@ -224,7 +224,9 @@ def activation_transfers(m, a: ActivationShapes, rules: rules_lib.Rules, mesh,
                    if x in tensor)
   if sequence:
     return out + sequence_transfers(a, (tensor, sequence, vocab), p, runs, per_layer,
-                                    microbatches, reduce_scatter)
+                                    microbatches, reduce_scatter,
+                                    remat in remat_lib.RECOMPUTE_ALL,
+                                    m.vocab_size * m.d_model)
   out += [Transfer("all-reduce", runs * per_layer * a.d * p, tensor,
                   "attention/MLP outputs and input grads")]
   if vocab:
@@ -237,29 +239,41 @@ def activation_transfers(m, a: ActivationShapes, rules: rules_lib.Rules, mesh,
 # attention's and MLP's inputs, their output gradients, and the two norm outputs saved split,
 # gathered again for the weight gradients (under full remat, by the recomputed forward).
 SEQUENCE_GATHERS = 6
+# Under full remat the TPU compiler keeps only one of the two recomputed inputs until its
+# weight gradient and gathers the other again: 7 a layer run (counted on v5e compiles of
+# tests/test_plan_tpu.py's model at 1 and 2 microbatches). XLA:CPU keeps both (6 on the
+# tiny model's tp_sp compile at full remat).
+TPU_FULL_REMAT_REGATHERS = 1
 
 
 def sequence_transfers(a: ActivationShapes, axes: tuple, p: int, runs: float, per_layer: int,
-                       microbatches: int, reduce_scatter: bool) -> list[Transfer]:
+                       microbatches: int, reduce_scatter: bool, remat_all: bool = False,
+                       table: int = 0) -> list[Transfer]:
   """Megatron sequence parallelism (Korthikanti et al. 2022), the residual stream split along
   the sequence (`axes`: tensor, sequence, vocab axes): tensor parallelism's reductions of
   B×L×D land on the sequence shards, and each matmul region (the head too) starts with an
   all-gather of the sequence. With reduce-scatter (TPU) each region's input gradients (q, k,
   v; gate, up) are summed first, as in Megatron: 2 + 2 a layer (+1 under full remat), and the
-  head's input gradient (the lookup gathered a small table, test_plan_tpu.py). XLA:CPU
-  all-reduces and slices `per_layer` a layer, and the lookup's, as for tensor parallelism."""
+  head's input gradient; a vocab-sharded embedding (`table`: V×D elements) is gathered whole
+  for the lookup, once a microbatch. XLA:CPU all-reduces and slices `per_layer` a layer, and
+  the lookup's, as for tensor parallelism."""
   tensor, sequence, vocab = axes
+  gathers = SEQUENCE_GATHERS
   if reduce_scatter:
     reductions, outer, kind = per_layer - 3, a.d * p, "reduce-scatter"  # 5 backward: 2
+    gathers += TPU_FULL_REMAT_REGATHERS if remat_all else 0
   else:
     reductions, outer, kind = per_layer, a.d * (p + 4), "all-reduce"
   out = [Transfer(kind, runs * reductions * a.d * p, tensor,
                   "attention/MLP outputs and input grads onto sequence shards"),
-         Transfer("all-gather", (runs * SEQUENCE_GATHERS + microbatches) * a.d * p, sequence,
+         Transfer("all-gather", (runs * gathers + microbatches) * a.d * p, sequence,
                   "the sequence for attention, the MLP and the head")]
   if vocab:
     out.append(Transfer(kind, outer * microbatches, vocab,
                         "embedding lookup (CPU) and the head's input grad"))
+    if reduce_scatter:
+      out.append(Transfer("all-gather", table * p * microbatches, vocab,
+                          "the embedding table for the lookup"))
   return out
 
 
