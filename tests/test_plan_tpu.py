@@ -66,31 +66,38 @@ def test_train_step_compiles_for_a_tpu_topology(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("remat, microbatches, scatters", [("none", 1, 9), ("full", 2, 22)])
-def test_sequence_parallel_collectives_match_the_tpu_compiler(tmp_path, remat, microbatches,
-                                                               scatters):
+@pytest.mark.parametrize("strategy, mesh, remat, microbatches, scatters, tol", [
+    ("tp_sp", "data:2,tensor:2", "none", 1, 9, 0.03),
+    ("tp_sp", "data:2,tensor:2", "full", 2, 22, 0.03),
+    # FSDP's weight gathers and gradient reduce-scatters beside SP's: measured 0.99 and 1.04
+    # of the compiler's (the 4% of reduce-scatters is not broken down).
+    ("fsdp_tp_sp", "fsdp:2,tensor:2", "full", 1, None, 0.06)])
+def test_sequence_parallel_collectives_match_the_tpu_compiler(tmp_path, strategy, mesh, remat,
+                                                               microbatches, scatters, tol):
   """tp_sp on data:2 × tensor:2: the TPU compiler reduce-scatters each block's output and its
   summed input gradients onto the sequence shards (2 + 2 a layer run, +1 under full remat,
   and the head's input gradient each microbatch: 9 and 22 here) and all-gathers the sequence
   before each matmul region (6 a layer run, 7 under full remat, and the head's input) and
   the vocab-sharded embedding table for the lookup; the planner's bytes of each within 3%
   (measured exact, both cases): without the seventh gather it was 0.88 of the compiled
-  all-gathers under full remat, without the table 0.94 and 0.96. About 15 s a case.
+  all-gathers under full remat, without the table 0.94 and 0.96. fsdp_tp_sp adds FSDP's
+  collectives on fsdp:2 × tensor:2. About 7 s a case.
   Total memory is not asserted, as for fsdp above (llama2-7b's, on CPU:
   tests/test_plan_compile.py)."""
   model = tmp_path / "tpu-small.toml"
   model.write_text(MODEL)
   req = plan.Request.of(model=str(model), optimizer="sgd", precision="bf16", global_batch=8,
-                        seq_len=512, remat=remat, microbatches=microbatches, strategy="tp_sp",
-                        mesh="data:2,tensor:2", target="tpu-v5e")
+                        seq_len=512, remat=remat, microbatches=microbatches, strategy=strategy,
+                        mesh=mesh, target="tpu-v5e")
   spec = plan_compile._spec(req)
   report = aot.compile_on_tpu(plan_compile.run_config(req, spec), "v5e", 4)
   est = plan.estimate(req, registry.load(str(model)), hardware.get("tpu-v5e"), spec)
   ratio = plan_compile.compare(report, est)["ratio"]
   assert ratio["state"] == pytest.approx(1, abs=0.02), ratio
-  assert report.kinds()["reduce-scatter"]["count"] == scatters, report.kinds()
+  if scatters is not None:
+    assert report.kinds()["reduce-scatter"]["count"] == scatters, report.kinds()
   for kind in ("reduce-scatter", "all-gather"):
-    assert ratio[kind] == pytest.approx(1, abs=0.03), (kind, ratio)
+    assert ratio[kind] == pytest.approx(1, abs=tol), (kind, ratio)
 
 
 @pytest.mark.slow
