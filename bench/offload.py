@@ -10,8 +10,9 @@ cpu   tiny and 125m on 8 simulated CPU devices (fsdp:8, bf16, 8 × 128 tokens): 
 lora  LoRA (rank 16 on q,k,v,o,gate,up,down) against a full fine-tune, same models and mesh:
       step time, trained parameters and compiled memory per device.
 tpu   the real TPU compiler for v5e-256 (libtpu, no TPU): llama2-7b at 1 × 2048 tokens per
-      chip and llama2-70b at 2 (a batch the reference trainer cannot fit), fsdp, bf16, per
-      option: device and host GiB per chip beside the planner's. Minutes per compile on two
+      chip and llama2-70b at 2 (a batch the reference trainer cannot fit), fsdp, bf16, plain
+      XLA attention (the presets' `auto` would take the splash kernel), per option: device
+      and host GiB per chip beside the planner's. Minutes per compile on two
       cores.
 Every timed step runs after compilation and warmup steps, each waited for. The last line is
 the results as JSON.
@@ -72,11 +73,10 @@ def tpu_rows() -> list[dict]:
                           seq_len=2048, remat="full", strategy="fsdp", devices=256,
                           target="tpu-v5e")
     cfg = config.apply_overrides(plan_compile.run_config(req, plan_compile._spec(req)),
-                                 overrides)
+                                 ["model.attention=xla", *overrides])
     report = aot.compile_on_tpu(cfg, "v5e", 256)
     req = req.with_train(remat=cfg.train.remat, offload=cfg.train.offload)
-    est = plan.estimate(req, registry.load(model), plan.hardware.get("tpu-v5e"),
-                        plan_compile._spec(req))
+    est = plan.estimate(req, cfg.model, plan.hardware.get("tpu-v5e"), plan_compile._spec(req))
     row = {"model": model, "per_chip": per_chip, "option": name,
            "device_gib": report.total_bytes / GiB, "host_gib": report.host_bytes / GiB,
            "planned_device_gib": est.memory.total / GiB, "planned_host_gib": est.memory.host / GiB,
