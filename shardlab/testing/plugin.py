@@ -1,6 +1,7 @@
 """The pytest plugin (entry point `pytest11: shardlab`): simulated CPU devices chosen before
-JAX starts, a persistent compilation cache shared with the processes tests start, and a `mesh`
-fixture with the CLI's mesh syntax. Does nothing unless asked."""
+JAX starts, a persistent compilation cache shared with the processes tests start, XLA:CPU's
+faster-compiling loop emitters, and a `mesh` fixture with the CLI's mesh syntax. Does nothing
+unless asked."""
 
 import jax
 import pytest
@@ -9,10 +10,11 @@ from shardlab.bounds import Int
 from shardlab.errors import ConfigError
 from shardlab.runtime import devices
 from shardlab.sharding import mesh as mesh_lib
-from shardlab.testing import cache
+from shardlab.testing import cache, fast_compile
 
 OPTION, INI = "--shardlab-devices", "shardlab_devices"
 CACHE_OPTION, CACHE_INI = "--shardlab-cache", "shardlab_cache"
+FAST_OPTION, FAST_INI = "--shardlab-fast-compile", "shardlab_fast_compile"
 DEVICES = Int(min=0)  # the option's and the ini value's range
 
 
@@ -29,6 +31,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                        "default: no cache")
   parser.addini(CACHE_INI, "directory of JAX's persistent compilation cache for the tests "
                 "(empty: none)", default="")
+  group.addoption(FAST_OPTION, action="store_true", default=False,
+                  help=f"compile with XLA:CPU's older loop emitters ({fast_compile.FLAG}): "
+                       "quicker compiles, slower bf16 programs; for the tests and every "
+                       f"process they start (default: the {FAST_INI} ini value)")
+  parser.addini(FAST_INI, f"XLA:CPU's faster-compiling loop emitters for the tests "
+                f"({fast_compile.FLAG})", type="bool", default=False)
 
 
 def requested_devices(config: pytest.Config) -> int:
@@ -50,6 +58,13 @@ def requested_cache(config: pytest.Config) -> str:
 def pytest_load_initial_conftests(early_config: pytest.Config, parser, args) -> None:
   """Runs before any conftest.py imports the test code, so the device count is set before
   anything can start JAX's backend."""
+  if (getattr(early_config.known_args_namespace, "shardlab_fast_compile", False) or
+      early_config.getini(FAST_INI)):
+    try:
+      fast_compile.enable()
+    except RuntimeError as e:
+      raise pytest.UsageError(f"{FAST_OPTION}: {e} (start JAX later, or set "
+                              f"XLA_FLAGS={fast_compile.FLAG})") from None
   directory = requested_cache(early_config)
   if directory:
     try:

@@ -1,0 +1,34 @@
+"""XLA:CPU's older loop emitters for a test session and the processes it starts.
+
+A suite on a CPU spends most of its time compiling many small programs, and XLA:CPU's
+default fusion emitters take longer to compile them than the older ones
+(`--xla_cpu_use_fusion_emitters=false`): shardlab's test_parity.py ran in 72 s against 92,
+and eight compile-heavy files (planner against compiled memory, HLO collectives, accumulation
+and offload bytes, remat policies) in 196 s against 256, every test passing both ways. The
+HLO, its partitioning and its buffers are the compiler's either way; what changes is how each
+fused loop becomes machine code, so bf16 programs may run slower (the peer benchmark's steps:
+11–14%) — a test asserts no speed, but a benchmark should not run under it.
+
+Off unless asked (`--shardlab-fast-compile`, or `shardlab_fast_compile = true` in the ini).
+A value the user set in XLA_FLAGS, either way, is left as it is.
+"""
+
+import os
+
+from shardlab.runtime import jax_compat
+
+FLAG = "--xla_cpu_use_fusion_emitters=false"
+_NAME = FLAG.split("=")[0]
+
+
+def enable() -> bool:
+  """Adds FLAG to XLA_FLAGS for this process (before JAX's backend starts) and every process
+  it starts; False where XLA_FLAGS already chose. Raises RuntimeError once the backend has
+  started, when XLA no longer reads its flags."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if _NAME in flags:
+    return False
+  if jax_compat.backends_are_initialized():
+    raise RuntimeError("the JAX backend already started, so XLA has read its flags")
+  os.environ["XLA_FLAGS"] = f"{flags} {FLAG}".strip()
+  return True
