@@ -19,7 +19,10 @@ STEPS = 3
 
 
 def loops(compiled) -> int:
-  return len(re.findall(r"\bwhile\(", compiled.as_text()))
+  """The program's while loops, less those XLA:CPU's older emitters expand a scatter into
+  (the embedding's gradient, under the suite's shardlab_fast_compile)."""
+  return sum(1 for line in compiled.as_text().splitlines()
+             if re.search(r"\bwhile\(", line) and "scatter" not in line)
 
 
 def eval_step(run):

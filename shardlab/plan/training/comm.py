@@ -242,7 +242,8 @@ SEQUENCE_GATHERS = 6
 # Under full remat the TPU compiler keeps only one of the two recomputed inputs until its
 # weight gradient and gathers the other again: 7 a layer run (counted on v5e compiles of
 # tests/test_plan_tpu.py's model at 1 and 2 microbatches). XLA:CPU keeps both (6 on the
-# tiny model's tp_sp compile at full remat).
+# tiny model's tp_sp compile at full remat). GPU is planned as TPU, as for the reduce-scatters
+# (not checked on a GPU compile).
 TPU_FULL_REMAT_REGATHERS = 1
 
 
