@@ -248,8 +248,8 @@ TPU_FULL_REMAT_REGATHERS = 1
 
 
 def sequence_transfers(a: ActivationShapes, axes: tuple, p: int, runs: float, per_layer: int,
-                       microbatches: int, reduce_scatter: bool, remat_all: bool = False,
-                       table: int = 0) -> list[Transfer]:
+                       microbatches: int, reduce_scatter: bool, remat_all: bool,
+                       table: int) -> list[Transfer]:
   """Megatron sequence parallelism (Korthikanti et al. 2022), the residual stream split along
   the sequence (`axes`: tensor, sequence, vocab axes): tensor parallelism's reductions of
   B×L×D land on the sequence shards, and each matmul region (the head too) starts with an
