@@ -15,22 +15,17 @@ Off unless asked (`--shardlab-fast-compile`, or `shardlab_fast_compile = true` i
 A value the user set in XLA_FLAGS, either way, is left as it is.
 """
 
-import os
-
-from shardlab.runtime import jax_compat
+from shardlab.runtime import jax_compat, xla_flags
 
 FLAG = "--xla_cpu_use_fusion_emitters=false"
-_NAME = FLAG.split("=")[0]
 
 
 def enable() -> bool:
   """Adds FLAG to XLA_FLAGS for this process (before JAX's backend starts) and every process
   it starts; False where XLA_FLAGS already chose. Raises RuntimeError once the backend has
   started, when XLA no longer reads its flags."""
-  flags = os.environ.get("XLA_FLAGS", "")
-  if _NAME in flags:
+  if xla_flags.named(FLAG):
     return False
   if jax_compat.backends_are_initialized():
     raise RuntimeError("the JAX backend already started, so XLA has read its flags")
-  os.environ["XLA_FLAGS"] = f"{flags} {FLAG}".strip()
-  return True
+  return xla_flags.add(FLAG)
