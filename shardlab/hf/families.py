@@ -1,6 +1,7 @@
 """The bundled families' adapters, and the lookups over every registered adapter: importing
-this module registers llama's, Mixtral's, Qwen's, Mistral's, Gemma's and GPT-2's (a user's family
-registers by importing its own adapter file, as its model file registers its config).
+this module registers llama's, Mixtral's, Qwen's, Mistral's, Gemma's, Phi-3's and GPT-2's (a
+user's family registers by importing its own adapter file, as its model file registers its
+config).
 
 Import reads an HF config.json: the adapter that claims it (a variant that narrows a base's
 claim, e.g. Llama with `attention_bias`, wins over that base). Export writes a model: the
