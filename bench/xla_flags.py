@@ -1,30 +1,35 @@
 """Which of the XLA flags that trainers set for collective/compute overlap change shardlab's
-compiled TPU train step, compiled for a TPU topology (libtpu; no TPU needed).
+compiled train step: for a TPU topology (libtpu; no TPU needed), or for 8 GPUs mocked on one.
 
   .venv/bin/python bench/xla_flags.py [--layers 2] [--target tpu-v5e] [--chips 256]
+  python bench/xla_flags.py --platform gpu [--jobs 8] [--json PATH]   (on a GPU machine)
 
 Each flag is compiled alone, in its own process (libtpu reads LIBTPU_INIT_ARGS once, when
-it loads), against a baseline with none: llama2-7b, FSDP over every chip, one sequence of
-2048 a chip, full remat (bench/plan_tpu.py's setup, `--layers` of them). For each it prints
-whether the program changed (its instructions, names and metadata aside), the async
-collectives in it, the compiler's compute estimate (observe/hlo_cycles.py) and the memory
-per chip. A flag that changes nothing is already the default in this libtpu, or has no
-collective to act on here. docs/performance.md#xla-flags has the table and what shardlab
-sets.
+it loads; XLA:GPU reads XLA_FLAGS once), against a baseline with none: llama2-7b, FSDP over
+every chip, full remat, `--layers` of its layers. On TPU one sequence of 2048 a chip over a
+v5e-256 (bench/plan_tpu.py's setup); on GPU MaxText's llama2-7b recipe for one 8-GPU host
+(configs/gpu/a3/llama_2_7b/1vm.sh: FSDP 8, 4 sequences of 4096 a GPU) with the devices
+mocked (`mock_num_gpu_processes`: JAX's GPU client presents 8 devices and compiles
+collectives for them; nothing runs), autotuning off so that the compiler's choices do not
+vary between processes. Each row says whether the program changed (its instructions in
+order, names and metadata aside), the async collectives in it, the TPU compiler's compute
+estimate (observe/hlo_cycles.py) and the memory per chip. A flag that changes nothing is
+already the default in this XLA, or has no collective to act on here; a flag this XLA does
+not know is reported as such. docs/performance.md#xla-flags has the tables and what
+shardlab sets.
 """
 
+import argparse
+import collections
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
 import os
-
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import argparse  # noqa: E402
-import collections  # noqa: E402
-import hashlib  # noqa: E402
-import json  # noqa: E402
-import re  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -45,73 +50,180 @@ TPU_FLAGS = (
 # either, the compile-only client ignores LIBTPU_INIT_ARGS and nothing above means anything.
 CONTROL = "--xla_tpu_enable_async_collective_fusion=false"
 
+# The flags of MaxText's llama2-7b recipe for one 8-GPU host (configs/gpu/a3/llama_2_7b/
+# 1vm.sh), its dump path aside, each alone and then all together.
+GPU_FLAGS = (
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+    "--xla_gpu_enable_triton_gemm=false",
+    "--xla_gpu_enable_command_buffer=",
+    "--xla_gpu_enable_highest_priority_async_stream=true",
+    "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
+    "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
+    "--xla_gpu_reduce_scatter_combine_threshold_bytes=67108864",
+    "--xla_gpu_pipeline_all_gather=on",
+    "--xla_gpu_pipeline_reduce_scatter=on",
+    "--xla_gpu_pipeline_all_reduce=on",
+    "--xla_gpu_enable_while_loop_double_buffering=true",
+    "--xla_gpu_enable_all_gather_combine_by_dim=false",
+    "--xla_gpu_enable_reduce_scatter_combine_by_dim=false",
+    "--xla_disable_hlo_passes=rematerialization",
+)
+# Controls the other way: collectives made synchronous, and no latency-hiding scheduler.
+GPU_CONTROLS = ("--xla_gpu_disable_async_collectives=ALLREDUCE,ALLGATHER,REDUCESCATTER",
+                "--xla_gpu_enable_latency_hiding_scheduler=false")
+# Set in every GPU process, the baseline's too: autotuning times kernels, so its picks (and
+# the program text) could differ between two compiles of the same program.
+GPU_BASE = "--xla_gpu_autotune_level=0"
+PLATFORMS = {"tpu": {"target": "tpu-v5e", "chips": 256, "per_chip": 1, "seq_len": 2048},
+             "gpu": {"target": "h100-80g", "chips": 8, "per_chip": 4, "seq_len": 4096}}
+
 _NAME = re.compile(r"%[\w.\-]+")
 _NOISE = re.compile(r", metadata=\{[^}]*\}|, frontend_attributes=\{[^}]*\}|"
                     r'"estimated_cycles":"\d+"')
-# Collectives run asynchronously: start/done pairs, and the TPU compiler's async collective
-# fusions (a fusion with an "async_collective_fusion_config").
-_ASYNC = re.compile(r" ((?:all-gather|all-reduce|reduce-scatter|collective-permute|all-to-all)"
-                    r"-start)\(|\"(async_collective_fusion)_config\"")
+# Collectives run asynchronously: start/done pairs (XLA:GPU also wraps some in async-start),
+# and the TPU compiler's async collective fusions (a fusion with an
+# "async_collective_fusion_config").
+_ASYNC = re.compile(r" ((?:all-gather|all-reduce|reduce-scatter|collective-permute|all-to-all"
+                    r"|async)-start)\(|\"(async_collective_fusion)_config\"")
+# Lines that are not the program: its header, and the tables of the Python source it was
+# traced from (file and function names, stack frames), which name this script's path.
+_NOT_PROGRAM = re.compile(r"HloModule|(FileNames|FunctionNames|FileLocations|StackFrames)$|\d+ ")
+# XLA:GPU marks a start/done pair that has nothing to overlap as synchronous.
+_SYNC = re.compile(r'"is_sync":true')
 
 
-def _compile(target: str, chips: int, layers: int) -> dict:
-  """This process's compile (LIBTPU_INIT_ARGS as set): the program's fingerprint, its async
-  collectives, cycles and bytes per chip."""
+def _devices(args):
+  """The devices to compile for: a TPU topology, or `chips` GPUs mocked on this one."""
+  import jax
+
+  from shardlab.plan.compiled import aot
+  from shardlab.plan.training import planner as plan
+  if args.platform == "tpu":
+    return aot.tpu_devices(plan.hardware.get(args.target).topology, args.chips)[0]
+  # One mocked process per device: this machine's GPU stands for each of them.
+  jax.config.update("mock_num_gpu_processes", args.chips)
+  devices = jax.devices()
+  if len(devices) != args.chips or devices[0].platform != "gpu":
+    raise SystemExit(f"expected {args.chips} mocked GPU devices, JAX has {devices}")
+  return devices
+
+
+def _compile(args) -> dict:
+  """This process's compile (LIBTPU_INIT_ARGS or XLA_FLAGS as set): the program's
+  fingerprint, its async collectives, the collectives by kind, cycles and bytes per chip, and
+  the planner's total for the same step."""
   from shardlab import config
   from shardlab.observe import step_report
   from shardlab.plan.compiled import aot
   from shardlab.plan.compiled import train_step as plan_compile
   from shardlab.plan.training import planner as plan
-  req = plan.Request.of(model="llama2-7b", precision="bf16", global_batch=chips, seq_len=2048,
-                        remat="full", strategy="fsdp", devices=chips, target=target)
-  cfg = config.apply_overrides(plan_compile.run_config(req, plan_compile._spec(req)),
-                               [f"model.n_layers={layers}"])
-  devices, _ = aot.tpu_devices(plan.hardware.get(target).topology, chips)
+  devices = _devices(args)  # first: the GPU mock must be set before JAX starts its client
+  req = plan.Request.of(model="llama2-7b", precision="bf16",
+                        global_batch=args.chips * args.per_chip, seq_len=args.seq_len,
+                        remat="full", strategy="fsdp", devices=args.chips, target=args.target)
+  spec = plan_compile._spec(req)
+  cfg = config.apply_overrides(plan_compile.run_config(req, spec),
+                               [f"model.n_layers={args.layers}"])
   compiled, mesh, _ = aot.compiled_step(cfg, devices)
   report = step_report.report(compiled, mesh, flops=True)
+  est = plan.estimate(dataclasses.replace(req, train=cfg.train), cfg.model,
+                      plan.hardware.get(args.target), spec)
   text = compiled.as_text()
   body = "\n".join(_NAME.sub("%", _NOISE.sub("", line)) for line in text.splitlines()
-                   if not line.startswith("HloModule"))
+                   if not _NOT_PROGRAM.match(line))
   return {"fingerprint": hashlib.sha256(body.encode()).hexdigest()[:12],
           "async": dict(collections.Counter(a or b for a, b in _ASYNC.findall(text))),
-          "cycles": report.cycles, "bytes": report.total_bytes}
+          "sync": len(_SYNC.findall(text)),
+          "collectives": {k: v["count"] for k, v in report.kinds().items()},
+          "cycles": report.cycles, "bytes": report.total_bytes,
+          "planned_bytes": est.memory.total, "attention": cfg.model.attention}
 
 
 def _in_process(flag: str, args) -> dict:
-  env = dict(os.environ, LIBTPU_INIT_ARGS=flag)
-  done = subprocess.run([sys.executable, __file__, "--one", "--layers", str(args.layers),
-                         "--target", args.target, "--chips", str(args.chips)],
-                        capture_output=True, text=True, env=env, cwd=ROOT)
+  """One compile in a fresh process with `flag` set; {"error": ...} when it fails (an unknown
+  flag stops XLA as it starts)."""
+  env = dict(os.environ)
+  if args.platform == "tpu":
+    env.update(JAX_PLATFORMS="cpu", LIBTPU_INIT_ARGS=flag)
+  else:
+    env.update(XLA_FLAGS=f"{GPU_BASE} {flag}".strip())
+  cmd = [sys.executable, __file__, "--one", "--platform", args.platform, "--layers",
+         str(args.layers), "--target", args.target, "--chips", str(args.chips), "--per-chip",
+         str(args.per_chip), "--seq-len", str(args.seq_len)]
+  try:
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=args.timeout)
+  except subprocess.TimeoutExpired:
+    return {"error": f"no result in {args.timeout} s"}
   lines = [l for l in done.stdout.splitlines() if l.startswith("{")]
   if done.returncode or not lines:
-    raise RuntimeError(f"compile with {flag or 'no flags'} failed (exit {done.returncode}):"
-                       f"\n{done.stderr[-3000:]}")
+    tail = done.stderr.strip().splitlines()[-8:]
+    unknown = [l for l in tail if "nknown flag" in l]
+    return {"error": unknown[0] if unknown else f"exit {done.returncode}: " + " | ".join(tail)}
   return json.loads(lines[-1])
 
 
+def _row(flag: str, r: dict, base: dict) -> str:
+  if "error" in r:
+    return f"{flag:64s} FAILED: {r['error'][-300:]}"
+  changed = r["fingerprint"] != base["fingerprint"]
+  compute = f"compute x{r['cycles'] / base['cycles']:.3f}, " if base["cycles"] else ""
+  return (f"{flag:64s} {'CHANGES the program' if changed else 'no change':20s} "
+          f"async {r['async']}, sync {r['sync']}, {compute}"
+          f"memory x{r['bytes'] / base['bytes']:.3f}")
+
+
 def main() -> int:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--platform", choices=sorted(PLATFORMS), default="tpu",
+                 help="tpu: a topology compiled from this host; gpu: 8 GPUs mocked on this "
+                      "machine's GPU (default tpu)")
   p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
-  p.add_argument("--target", default="tpu-v5e", help="hardware target (default tpu-v5e)")
-  p.add_argument("--chips", type=int, default=256, help="chips (default 256)")
-  p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--target", help="hardware target (default tpu-v5e; h100-80g on gpu)")
+  p.add_argument("--chips", type=int, help="chips (default 256 on tpu, 8 on gpu)")
+  p.add_argument("--per-chip", type=int, help="sequences a chip (default 1 on tpu, 4 on gpu)")
+  p.add_argument("--seq-len", type=int, help="tokens a sequence (default 2048; 4096 on gpu)")
+  p.add_argument("--timeout", type=int, default=900, help="seconds a compile may take")
+  p.add_argument("--jobs", type=int, default=1, help="compiles at once (default 1)")
+  p.add_argument("--json", type=Path, help="also write the results here")
+  p.add_argument("--one", action="store_true",
+                 help="compile once, in this process, with the flags in the environment "
+                      "(LIBTPU_INIT_ARGS, XLA_FLAGS), and print its figures as JSON")
   args = p.parse_args()
+  for key, value in PLATFORMS[args.platform].items():
+    if getattr(args, key) is None:
+      setattr(args, key, value)
   if args.one:
-    print(json.dumps(_compile(args.target, args.chips, args.layers)), flush=True)
+    if args.platform == "tpu":  # a topology compiled from this host's CPU client
+      os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    print(json.dumps(_compile(args)), flush=True)
     return 0
   base = _in_process("", args)
-  print(f"llama2-7b ({args.layers} layers), fsdp on {args.target} x{args.chips}; baseline: "
-        f"async {base['async']}, compute {base['cycles'] / 1e9:.3f} Gcycles, "
-        f"{base['bytes'] / 2**30:.2f} GiB per chip", flush=True)
+  if "error" in base:
+    raise SystemExit(f"the baseline compile failed: {base['error']}")
+  kinds = ", ".join(f"{k} {n}" for k, n in sorted(base["collectives"].items()))
+  print(f"llama2-7b ({args.layers} layers), fsdp on {args.target} x{args.chips}, "
+        f"{args.per_chip} x {args.seq_len} tokens a chip, {base['attention']} attention; "
+        f"baseline: {kinds}; async {base['async']}, sync {base['sync']}"
+        + (f", compute {base['cycles'] / 1e9:.3f} Gcycles" if base["cycles"] else "")
+        + f", {base['bytes'] / 2**30:.2f} GiB per chip (planned "
+        f"{base['planned_bytes'] / 2**30:.2f})", flush=True)
+  together = " ".join(GPU_FLAGS)
+  flags = ((CONTROL, *TPU_FLAGS) if args.platform == "tpu"
+           else (*GPU_CONTROLS, *GPU_FLAGS, together))
   rows = []
-  for flag in (CONTROL, *TPU_FLAGS):
-    r = _in_process(flag, args)
-    changed = r["fingerprint"] != base["fingerprint"]
-    rows.append({"flag": flag, "changed": changed, **r})
-    print(f"{flag:64s} {'CHANGES the program' if changed else 'no change':20s} "
-          f"async {r['async']}, compute x{r['cycles'] / base['cycles']:.3f}, "
-          f"memory x{r['bytes'] / base['bytes']:.3f}", flush=True)
-  print(json.dumps({"baseline": base, "flags": rows}))
+  # Compiles in parallel only where cores are plenty (a GPU host): each is one process.
+  with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+    for flag, r in zip(flags, pool.map(lambda f: _in_process(f, args), flags)):
+      rows.append({"flag": flag, "changed": r.get("fingerprint", base["fingerprint"])
+                   != base["fingerprint"], **r})
+      print(_row("all of the above together" if flag == together else flag, r, base),
+            flush=True)
+  result = {"platform": args.platform, "target": args.target, "chips": args.chips,
+            "baseline": base, "flags": rows}
+  if args.json:
+    args.json.write_text(json.dumps(result, indent=1))
+  print(json.dumps(result))
   return 0
 
 
