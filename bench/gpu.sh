@@ -12,7 +12,9 @@
 #    bf16 (bench/gpu_checks.py step);
 # 4. the peer config's tokens/s and compiled memory on the GPU, with MaxText's beside it
 #    where MaxText imports ($MT_VENV, as bench/peer.py; or its wheels on $MAXTEXT_PYTHONPATH)
-#    (bench/gpu_checks.py peer).
+#    (bench/gpu_checks.py peer);
+# 5. the planner's tokens/s and memory against bundled models trained on the GPU
+#    (bench/gpu_checks.py planner).
 # Every check runs even when one before it failed; the exit status is 1 if any failed.
 # Their output (tables, then one `GPU_CHECK {json}` line each) also goes to $GPU_LOG_DIR
 # (default gpu-logs/) as one log per check.
@@ -41,10 +43,15 @@ import jax
 print(f"jax {jax.__version__}: {jax.devices()}")
 assert jax.default_backend() == "gpu"
 PYEOF
-export XLA_PYTHON_CLIENT_PREALLOCATE=false  # each check runs several processes on the GPU
 status=0
-for check in attention step peer; do
+for check in attention step peer planner; do
   echo "== $check"
-  "$PY" bench/gpu_checks.py "$check" 2>&1 | tee "$LOGS/$check.log" || status=1
+  # The first three run several processes on the GPU at once, so none may take most of its
+  # memory up front; the planner's runs are timed as a training run runs, alone and with
+  # JAX's default allocator.
+  prealloc=false
+  if [ "$check" = planner ]; then prealloc=true; fi
+  XLA_PYTHON_CLIENT_PREALLOCATE=$prealloc "$PY" bench/gpu_checks.py "$check" 2>&1 \
+    | tee "$LOGS/$check.log" || status=1
 done
 exit $status

@@ -13,6 +13,10 @@
       256 a step) at remat full and none: tokens/s and compiled memory; MaxText's on the
       same device alongside when it can be imported (see `maxtext_python`), the two
       alternating over --rounds (medians printed).
+  python bench/gpu_checks.py planner [--target T] [--steps N] [--warmup N] [--quick]
+      bundled models (1B, GPT-2 1.5B, 125M) trained on one device, their tokens/s and compiled
+      memory beside the planner's for the same run on this GPU's target (from its name, or
+      --target): a report of how far the planner is from one real device.
 
 Each prints a table and ends with a line `GPU_CHECK {json}`; the exit status is 1 when a
 comparison is outside its band.
@@ -263,6 +267,72 @@ def check_peer(args) -> bool:
   return True
 
 
+# One-device runs the planner predicts: (preset, sequences, tokens each, remat). A 1B model
+# at 16k tokens a step keeps the GPU busy with matmuls, as the planner's published runs do;
+# GPT-2 1.5B is another architecture; 125M is small enough to be bound by memory and launch.
+PLANNER_CASES = [("1b", 8, 2048, "full"), ("1b", 8, 2048, "none"),
+                 ("gpt2-1.5b", 8, 1024, "none"), ("125m", 16, 1024, "none")]
+QUICK_PLANNER_CASES = [("tiny", 4, 128, "none")]
+# nvidia-smi's device names -> the planner's targets.
+GPU_TARGETS = {"H200": "h200", "H100": "h100-80g", "A100-SXM4-80GB": "a100-80g",
+               "A100-SXM4-40GB": "a100-40g", "L4": "l4-24g"}
+
+
+def planner_row(name: str, batch: int, seq: int, remat: str, target: str, steps: int,
+                warmup: int, devices=None) -> dict:
+  """One run of preset `name` on one device (the first of `devices`, default JAX's) against
+  the planner's figures for the same run on `target`."""
+  os.environ["SHARDLAB_BENCH_DEVICES"] = "native"  # bench/core.py: this machine's devices
+  import core
+
+  from shardlab import config
+  from shardlab.models import registry
+  from shardlab.plan.training import planner as plan
+
+  model = registry.load(name)
+  r = core.run_train(model, "data:1", "dp", batch, seq, "bf16", steps, warmup, remat=remat,
+                     devices=devices[:1] if devices else None)
+  train = config.TrainConfig(global_batch=batch, seq_len=seq, precision="bf16", remat=remat)
+  req = plan.Request.from_config(config.Config(model=model, mesh="data:1", strategy="dp",
+                                               train=train), target=target, devices=1)
+  est = plan.plan(req).estimate
+  return {"model": name, "batch": batch, "seq": seq, "remat": remat,
+          "measured_tokens_per_s": r["tokens_per_s"], "planned_tokens_per_s": est.tokens_per_s,
+          "measured_mib": r["memory"]["total"] / 2**20, "planned_mib": est.memory.total / 2**20,
+          "planned_mfu": est.mfu}
+
+
+def check_planner(args) -> bool:
+  """The planner's tokens/s and memory for one device of this machine against measured
+  runs. A report, not a pass/fail check: the planner's GPU efficiency comes from published
+  multi-GPU runs, and this shows how far one GPU's step is from it."""
+  import jax
+
+  from shardlab.runtime import hardware
+
+  kind = jax.devices()[0].device_kind
+  target = args.target or next((t for name, t in GPU_TARGETS.items() if name in kind), None)
+  if target is None:
+    raise SystemExit(f"no planner target for a {kind!r} device: pass --target (one of "
+                     f"{', '.join(sorted(hardware.ACCELERATORS))})")
+  print(f"planner ({target}) against measured runs on one {kind}, bf16, "
+        f"medians of {args.steps} steps after {args.warmup}")
+  rows = []
+  for case in (QUICK_PLANNER_CASES if args.quick else PLANNER_CASES):
+    row = planner_row(*case, target, args.steps, args.warmup)
+    rows.append(row)
+    tokens = row["planned_tokens_per_s"] / row["measured_tokens_per_s"]
+    print(f"  {row['model']:10s} {row['batch']:3d} x {row['seq']:5d} remat {row['remat']:4s}  "
+          f"tokens/s measured {row['measured_tokens_per_s']:9.0f} planned "
+          f"{row['planned_tokens_per_s']:9.0f} (x{tokens:.2f}; planned MFU "
+          f"{row['planned_mfu']:.1%})  memory measured {row['measured_mib']:8.0f} MiB planned "
+          f"{row['planned_mib']:8.0f} (x{row['planned_mib'] / row['measured_mib']:.2f})",
+          flush=True)
+  print("GPU_CHECK " + json.dumps({"check": "planner", "target": target, "ok": True,
+                                   "rows": rows}))
+  return True
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   sub = parser.add_subparsers(dest="check", required=True)
@@ -276,8 +346,15 @@ def main():
   p.add_argument("--steps", type=int, default=20)
   p.add_argument("--warmup", type=int, default=5)
   p.add_argument("--rounds", type=int, default=3)
+  q = sub.add_parser("planner")
+  q.add_argument("--target", help="the planner's hardware target (default: from the "
+                                  "device's name)")
+  q.add_argument("--steps", type=int, default=10)
+  q.add_argument("--warmup", type=int, default=3)
+  q.add_argument("--quick", action="store_true", help="the tiny model only")
   args = parser.parse_args()
-  run = {"attention": check_attention, "step": check_step, "peer": check_peer}[args.check]
+  run = {"attention": check_attention, "step": check_step, "peer": check_peer,
+         "planner": check_planner}[args.check]
   sys.exit(0 if run(args) else 1)
 
 

@@ -37,3 +37,22 @@ def test_the_comparison_catches_a_wrong_kernel(monkeypatch):
 
 def test_the_script_parses():
   subprocess.run(["bash", "-n", str(BENCH / "gpu.sh")], check=True)
+
+
+def test_the_planner_check_sets_the_planners_figures_beside_the_run(monkeypatch):
+  # On a GPU, `gpu_checks.py planner` prints these rows for the machine's own target; here
+  # the run is on one CPU device and the target is named, so only the plumbing is checked:
+  # the planned figures are the planner's for the very run that was timed.
+  import jax
+
+  from shardlab.plan.training import planner as plan
+
+  monkeypatch.setenv("SHARDLAB_BENCH_DEVICES", "native")  # restored after the test
+  row = gpu_checks.planner_row("tiny", 4, 128, "none", "h200", steps=1, warmup=0,
+                               devices=jax.devices())
+  est = plan.plan(plan.Request.of(model="tiny", precision="bf16", global_batch=4, seq_len=128,
+                                  remat="none", strategy="dp", devices=1,
+                                  target="h200")).estimate
+  assert row["planned_tokens_per_s"] == est.tokens_per_s
+  assert row["planned_mib"] == est.memory.total / 2**20
+  assert row["measured_tokens_per_s"] > 0 and row["measured_mib"] > 0
