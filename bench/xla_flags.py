@@ -92,6 +92,15 @@ _NOT_PROGRAM = re.compile(r"HloModule|(FileNames|FunctionNames|FileLocations|Sta
 _SYNC = re.compile(r'"is_sync":true')
 
 
+def fingerprint(text: str) -> str:
+  """A short hash of a compiled program's text that two compiles of the same program share:
+  its instructions in order, without their names, metadata, cost estimates or the table of
+  Python source lines it was traced from."""
+  body = "\n".join(_NAME.sub("%", _NOISE.sub("", line)) for line in text.splitlines()
+                   if not _NOT_PROGRAM.match(line))
+  return hashlib.sha256(body.encode()).hexdigest()[:12]
+
+
 def _devices(args):
   """The devices to compile for: a TPU topology, or `chips` GPUs mocked on this one."""
   import jax
@@ -129,9 +138,7 @@ def _compile(args) -> dict:
   est = plan.estimate(dataclasses.replace(req, train=cfg.train), cfg.model,
                       plan.hardware.get(args.target), spec)
   text = compiled.as_text()
-  body = "\n".join(_NAME.sub("%", _NOISE.sub("", line)) for line in text.splitlines()
-                   if not _NOT_PROGRAM.match(line))
-  return {"fingerprint": hashlib.sha256(body.encode()).hexdigest()[:12],
+  return {"fingerprint": fingerprint(text),
           "async": dict(collections.Counter(a or b for a, b in _ASYNC.findall(text))),
           "sync": len(_SYNC.findall(text)),
           "collectives": {k: v["count"] for k, v in report.kinds().items()},
