@@ -84,6 +84,8 @@ ACCELERATORS = {a.name: a for a in (
     # NVIDIA H200 SXM datasheet: same compute and NVLink as H100, 141 GB HBM3e at 4.8 TB/s.
     # nvidia-smi: 143771 MiB. Efficiency: no published training MFU found; H100's figure is
     # assumed (same tensor cores and clocks; more bandwidth speeds memory-bound work only).
+    # One H200 here trained the 1B Llama at 50-55% MFU and GPT-2 1.5B at 37% (no
+    # collectives; docs/planning.md, "Against one real GPU"): not used, being one GPU.
     Accelerator("h200", 989e12, 143771 * MiB, 4800 * GB, 450 * GB, 50 * GB, 8, 1 * GiB, "gpu",
                 efficiency=0.40, efficiency_source="assumption: the H100 figure (Llama 3 "
                 "paper, 38-43% MFU); same tensor cores", host_bw=64 * GB),
