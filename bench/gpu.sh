@@ -46,9 +46,9 @@ PYEOF
 status=0
 for check in attention step peer planner; do
   echo "== $check"
-  # The first three run several processes on the GPU at once, so none may take most of its
-  # memory up front; the planner's runs are timed as a training run runs, alone and with
-  # JAX's default allocator.
+  # The step and peer checks start other processes on the GPU beside their own, so none may
+  # take most of its memory up front; the planner's runs are timed as a training run runs:
+  # alone, with JAX's default allocator.
   prealloc=false
   if [ "$check" = planner ]; then prealloc=true; fi
   XLA_PYTHON_CLIENT_PREALLOCATE=$prealloc "$PY" bench/gpu_checks.py "$check" 2>&1 \

@@ -273,9 +273,11 @@ def check_peer(args) -> bool:
 PLANNER_CASES = [("1b", 8, 2048, "full"), ("1b", 8, 2048, "none"),
                  ("gpt2-1.5b", 8, 1024, "none"), ("125m", 16, 1024, "none")]
 QUICK_PLANNER_CASES = [("tiny", 4, 128, "none")]
-# nvidia-smi's device names -> the planner's targets.
-GPU_TARGETS = {"H200": "h200", "H100": "h100-80g", "A100-SXM4-80GB": "a100-80g",
-               "A100-SXM4-40GB": "a100-40g", "L4": "l4-24g"}
+# JAX's device kinds -> the planner's targets (the SXM parts: a PCIe H100 or A100 has
+# other clocks and bandwidth, and needs --target).
+GPU_TARGETS = {"NVIDIA H200": "h200", "NVIDIA H100 80GB HBM3": "h100-80g",
+               "NVIDIA A100-SXM4-80GB": "a100-80g", "NVIDIA A100-SXM4-40GB": "a100-40g",
+               "NVIDIA L4": "l4-24g"}
 
 
 def planner_row(name: str, batch: int, seq: int, remat: str, target: str, steps: int,
@@ -311,7 +313,7 @@ def check_planner(args) -> bool:
   from shardlab.runtime import hardware
 
   kind = jax.devices()[0].device_kind
-  target = args.target or next((t for name, t in GPU_TARGETS.items() if name in kind), None)
+  target = args.target or GPU_TARGETS.get(kind)
   if target is None:
     raise SystemExit(f"no planner target for a {kind!r} device: pass --target (one of "
                      f"{', '.join(sorted(hardware.ACCELERATORS))})")
