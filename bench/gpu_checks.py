@@ -273,11 +273,6 @@ def check_peer(args) -> bool:
 PLANNER_CASES = [("1b", 8, 2048, "full"), ("1b", 8, 2048, "none"),
                  ("gpt2-1.5b", 8, 1024, "none"), ("125m", 16, 1024, "none")]
 QUICK_PLANNER_CASES = [("tiny", 4, 128, "none")]
-# JAX's device kinds -> the planner's targets (the SXM parts: a PCIe H100 or A100 has
-# other clocks and bandwidth, and needs --target).
-GPU_TARGETS = {"NVIDIA H200": "h200", "NVIDIA H100 80GB HBM3": "h100-80g",
-               "NVIDIA A100-SXM4-80GB": "a100-80g", "NVIDIA A100-SXM4-40GB": "a100-40g",
-               "NVIDIA L4": "l4-24g"}
 
 
 def planner_row(name: str, batch: int, seq: int, remat: str, target: str, steps: int,
@@ -310,10 +305,13 @@ def check_planner(args) -> bool:
   multi-GPU runs, and this shows how far one GPU's step is from it."""
   import jax
 
+  from shardlab.observe import throughput
   from shardlab.runtime import hardware
 
   kind = jax.devices()[0].device_kind
-  target = args.target or GPU_TARGETS.get(kind)
+  # The device's entry as train.py's MFU reads it.
+  acc = throughput.accelerator_for(kind)
+  target = args.target or (acc.name if acc else None)
   if target is None:
     raise SystemExit(f"no planner target for a {kind!r} device: pass --target (one of "
                      f"{', '.join(sorted(hardware.ACCELERATORS))})")
