@@ -160,3 +160,36 @@ def test_cli_compile_json(capsys):
   (compiled,) = out["compiled"]
   assert compiled["report"]["n_devices"] == 8
   assert compiled["ratio"]["total"] == pytest.approx(1, abs=0.15)
+
+
+def test_compile_on_gpu_says_what_it_needs(monkeypatch):
+  # On a GPU machine `--compile-on gpu` compiles for the plan's GPUs mocked on its one
+  # (docs/planning.md, "On a GPU's compiler"); CI has no GPU, so the refusals are checked.
+  from shardlab.errors import ConfigError
+  from shardlab.runtime import accelerators
+
+  def request(target, devices):
+    return plan.Request.of(model="tiny", precision="bf16", devices=devices, global_batch=32,
+                           seq_len=128, remat="none", target=target)
+
+  with pytest.raises(ConfigError, match="needs a GPU target, got 'tpu-v5e'"):
+    plan_compile.where(request("tpu-v5e", 8), "gpu")
+  monkeypatch.setattr(accelerators, "accelerator_present", lambda: False)
+  with pytest.raises(ConfigError, match="has none"):
+    plan_compile.where(request("h100-80g", 8), "gpu")
+  monkeypatch.setattr(accelerators, "accelerator_present", lambda: True)
+  assert plan_compile.where(request("h100-80g", 8), "gpu") == ("gpu",)
+  # 64 H100s are 8 nodes: the planner's mesh puts an axis on DCN, which one GPU per mocked
+  # process cannot lay out.
+  assert plan_compile._spec(request("h100-80g", 64)).dcn
+  with pytest.raises(ConfigError, match="DCN axes"):
+    plan_compile.where(request("h100-80g", 64), "gpu")
+
+
+def test_compile_on_gpu_without_a_gpu_is_a_clear_error():
+  from shardlab.errors import ConfigError
+
+  req = plan.Request.of(model="tiny", precision="bf16", devices=2, global_batch=8, seq_len=64,
+                        remat="none", target="h100-80g")
+  with pytest.raises(ConfigError, match="JAX sees no GPU here"):
+    aot.compile_on_gpu(plan_compile.run_config(req, plan_compile._spec(req)), 2)

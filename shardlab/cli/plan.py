@@ -89,9 +89,11 @@ def train_parser(prog: str = "shardlab plan train") -> argparse.ArgumentParser:
   p.add_argument("--compile", action="store_true",
                  help="compile the real train step with abstract inputs, allocating nothing "
                       "(simulated CPU devices, or the TPU topology; see --compile-on)")
-  p.add_argument("--compile-on", default="auto", choices=("auto", "cpu", "tpu", "both"),
+  p.add_argument("--compile-on", default="auto", choices=("auto", "cpu", "tpu", "both", "gpu"),
                  help="where --compile compiles: auto = the TPU topology for a TPU target "
-                      "when libtpu is installed, else simulated CPU devices")
+                      "when libtpu is installed, else simulated CPU devices; gpu = this "
+                      "machine's GPU compiling for the plan's GPU count (mocked; one node's "
+                      "mesh)")
   p.add_argument("--compile-top", type=plan_auto.TOP_K, default=2, metavar="K",
                  help="with --search --compile (%(type)s): compile candidates in the search's "
                       "order until K fit, and pick by the compiled programs (a module factory: "
@@ -219,8 +221,13 @@ def _train(req: plan_lib.Request, args) -> int:
     req, fewest = fewest_devices(req, any_strategy=not given(args, "strategy"))
   _check_combinations(req)
   # The planner never runs on an accelerator: CPU (simulated devices for --compile) and
-  # compile-only TPU topologies. Chosen before any JAX backend starts.
+  # compile-only TPU topologies; --compile-on gpu starts the GPU client in a subprocess.
+  # Chosen before any JAX backend starts.
   where = plan_compile.where(req, args.compile_on) if args.compile else ()
+  if args.search and "gpu" in where:
+    raise ConfigError("--search --compile compiles candidates on CPU or a TPU topology; "
+                      "--compile-on gpu compiles one plan (drop --search, or pick its mesh "
+                      "with --mesh)")
   if "cpu" in where:
     plan_compile.prepare_cpu_devices(req)
   else:

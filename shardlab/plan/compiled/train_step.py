@@ -10,7 +10,7 @@ import dataclasses
 
 from shardlab.plan.compiled import aot
 from shardlab import config as config_lib
-from shardlab.runtime import devices, jax_compat
+from shardlab.runtime import accelerators, devices, jax_compat
 from shardlab.runtime import hardware
 from shardlab.sharding import mesh as mesh_lib
 from shardlab.plan.training import planner as plan_lib
@@ -65,9 +65,24 @@ def compare(report: StepReport, est: plan_lib.Estimate) -> dict:
 
 
 def where(req: plan_lib.Request, choice: str = "auto") -> tuple[str, ...]:
-  """Where to compile: ("cpu",), ("tpu",) or both. auto: the TPU compiler for a TPU target
-  when libtpu is installed (its figures are the ones that matter there), else CPU."""
-  tpu_target = hardware.get(req.target).kind == "tpu"
+  """Where to compile: ("cpu",), ("tpu",), both, or ("gpu",). auto: the TPU compiler for a
+  TPU target when libtpu is installed (its figures are the ones that matter there), else
+  CPU; gpu only when asked, on a machine with a GPU."""
+  kind = hardware.get(req.target).kind
+  if choice == "gpu":
+    if kind != "gpu":
+      raise ConfigError(f"--compile-on gpu needs a GPU target, got {req.target!r}")
+    if not accelerators.accelerator_present():
+      raise ConfigError("--compile-on gpu compiles on this machine's GPU, and it has none "
+                        "(no /dev/nvidia*): use --compile-on cpu")
+    spec = _spec(req)
+    if mesh_lib.MeshSpec(ici={}, dcn=spec.dcn).n_devices > 1:
+      raise ConfigError(f"--compile-on gpu mocks one GPU per process, so the mesh "
+                        f"{inline_mesh(spec)!r} cannot be laid out: its DCN axes group "
+                        f"GPUs into nodes; plan one node's mesh (no dcn.* axes) or use "
+                        f"--compile-on cpu")
+    return ("gpu",)
+  tpu_target = kind == "tpu"
   if choice in ("tpu", "both") and not tpu_target:
     raise ConfigError(f"--compile-on {choice} needs a TPU target, got {req.target!r}")
   if choice in ("tpu", "both") and not aot.libtpu_available():
@@ -79,7 +94,8 @@ def where(req: plan_lib.Request, choice: str = "auto") -> tuple[str, ...]:
 
 
 def attach(result: plan_lib.Plan, on: tuple[str, ...] = ("cpu",)) -> plan_lib.Plan:
-  """Compiles the planned step on simulated CPU devices and/or the target's TPU topology."""
+  """Compiles the planned step on simulated CPU devices and/or the target's TPU topology,
+  or on GPUs mocked on this machine's."""
   req, acc = result.request, result.target
   spec = _spec(req)
   cfg = run_config(req, spec)
@@ -88,6 +104,9 @@ def attach(result: plan_lib.Plan, on: tuple[str, ...] = ("cpu",)) -> plan_lib.Pl
     cpu = aot.compile_on_cpu(cfg, spec.n_devices)
     cpu_est = plan_lib.estimate(req, result.model, acc, spec, backend="cpu")
     compiled.append(dict(compare(cpu, cpu_est), precision=req.train.precision))
+  if "gpu" in on:  # XLA:GPU forms real reduce-scatters: the target's own figures
+    gpu = aot.compile_on_gpu(cfg, spec.n_devices)
+    compiled.append(dict(compare(gpu, result.estimate), precision=req.train.precision))
   if "tpu" in on:
     slices = mesh_lib.MeshSpec(ici={}, dcn=spec.dcn).n_devices
     tpu = aot.compile_on_tpu(cfg, acc.topology, spec.n_devices, slices)
