@@ -71,9 +71,6 @@ GPU_FLAGS = (
 # Controls the other way: collectives made synchronous, and no latency-hiding scheduler.
 GPU_CONTROLS = ("--xla_gpu_disable_async_collectives=ALLREDUCE,ALLGATHER,REDUCESCATTER",
                 "--xla_gpu_enable_latency_hiding_scheduler=false")
-# Set in every GPU process, the baseline's too: autotuning times kernels, so its picks (and
-# the program text) could differ between two compiles of the same program.
-GPU_BASE = "--xla_gpu_autotune_level=0"
 PLATFORMS = {"tpu": {"target": "tpu-v5e", "chips": 256, "per_chip": 1, "seq_len": 2048},
              "gpu": {"target": "h100-80g", "chips": 8, "per_chip": 4, "seq_len": 4096}}
 
@@ -103,18 +100,11 @@ def fingerprint(text: str) -> str:
 
 def _devices(args):
   """The devices to compile for: a TPU topology, or `chips` GPUs mocked on this one."""
-  import jax
-
   from shardlab.plan.compiled import aot
   from shardlab.plan.training import planner as plan
   if args.platform == "tpu":
     return aot.tpu_devices(plan.hardware.get(args.target).topology, args.chips)[0]
-  # One mocked process per device: this machine's GPU stands for each of them.
-  jax.config.update("mock_num_gpu_processes", args.chips)
-  devices = jax.devices()
-  if len(devices) != args.chips or devices[0].platform != "gpu":
-    raise SystemExit(f"expected {args.chips} mocked GPU devices, JAX has {devices}")
-  return devices
+  return aot.mocked_gpus(args.chips)  # this machine's GPU stands for each of them
 
 
 def _compile(args) -> dict:
@@ -153,7 +143,10 @@ def _in_process(flag: str, args) -> dict:
   if args.platform == "tpu":
     env.update(JAX_PLATFORMS="cpu", LIBTPU_INIT_ARGS=flag)
   else:
-    env.update(XLA_FLAGS=f"{GPU_BASE} {flag}".strip())
+    # aot.mocked_gpus adds --xla_gpu_autotune_level=0 in every process, the baseline's too:
+    # autotuning times kernels, so its picks (and the program) could differ between two
+    # compiles of the same program.
+    env.update(XLA_FLAGS=flag)
   cmd = [sys.executable, __file__, "--one", "--platform", args.platform, "--layers",
          str(args.layers), "--target", args.target, "--chips", str(args.chips), "--per-chip",
          str(args.per_chip), "--seq-len", str(args.seq_len)]

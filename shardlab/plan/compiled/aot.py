@@ -151,6 +151,22 @@ def compile_on_gpu(cfg: Config, n_devices: int) -> StepReport:
   return _in_subprocess(cfg, n_devices, env, "--gpu")
 
 
+def mocked_gpus(n: int) -> list:
+  """n GPU devices mocked on this machine's GPU, to compile for and never run: call before
+  JAX starts its backend (the mock and XLA_FLAGS are read then)."""
+  # Autotuning times candidate kernels for every matmul on the real GPU, which a program
+  # nobody runs does not need: on an H200, llama2-7b for 8 mocked GPUs compiled in 5.6 s
+  # without it and not within 150 s with it.
+  xla_flags.add("--xla_gpu_autotune_level=0")
+  jax.config.update("mock_num_gpu_processes", n)
+  gpus = jax.devices()  # JAX falls back to the CPU when it finds no GPU
+  if gpus[0].platform != "gpu":
+    raise ConfigError(f"JAX sees no GPU here (its devices: {gpus[0].platform}): compiling "
+                      "for mocked GPUs needs an NVIDIA GPU and JAX's CUDA plugin (pip "
+                      "install 'shardlab[cuda12]' or 'shardlab[cuda13]')")
+  return gpus[:n]
+
+
 def _in_subprocess(cfg: Config, n_devices: int, env: dict, *flags: str) -> StepReport:
   cmd = [sys.executable, "-m", "shardlab.plan.compiled.aot", "--devices", str(n_devices),
          "--json", json.dumps(dataclasses.asdict(cfg)), *flags]
@@ -190,17 +206,7 @@ def main(argv=None) -> int:
   try:
     cfg = _config_from_json(args.json)
     if args.gpu:
-      # Autotuning times candidate kernels for every matmul on the real GPU, which a program
-      # nobody runs does not need: on an H200, llama2-7b for 8 mocked GPUs compiled in 5.6 s
-      # without it and not within 150 s with it. Read when the backend starts, below.
-      xla_flags.add("--xla_gpu_autotune_level=0")
-      jax.config.update("mock_num_gpu_processes", args.devices)
-      gpus = jax.devices()  # JAX falls back to the CPU when it finds no GPU
-      if gpus[0].platform != "gpu":
-        raise ConfigError(f"JAX sees no GPU here (its devices: {gpus[0].platform}): "
-                          "--compile-on gpu needs an NVIDIA GPU and JAX's CUDA plugin (pip "
-                          "install 'shardlab[cuda12]' or 'shardlab[cuda13]')")
-      report = compile_step(cfg, gpus[:args.devices], f"gpu x{args.devices} (mocked)")
+      report = compile_step(cfg, mocked_gpus(args.devices), f"gpu x{args.devices} (mocked)")
     else:
       report = compile_step(cfg, jax.devices("cpu")[:args.devices], f"cpu x{args.devices}")
   except ConfigError as e:
