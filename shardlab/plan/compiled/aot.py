@@ -6,9 +6,9 @@ ShapeDtypeStructs that carry their shardings, then compiled for
     --xla_force_host_platform_device_count=N), or
   * a TPU topology (v4/v5e/v5p/v6e) through jax.experimental.topologies, when libtpu is
     installed: the real TPU compiler's memory analysis, from a machine without a TPU, or
-  * N GPUs mocked on this machine's GPU (JAX's `mock_num_gpu_processes`: the GPU client
-    presents N devices, one per mocked process, and compiles their collectives; nothing
-    runs): XLA:GPU's memory analysis for a node's worth of GPUs from one.
+  * N GPUs mocked on this machine's (JAX's `mock_num_gpu_processes`: the GPU client
+    presents N processes' worth of this machine's GPUs and compiles their collectives;
+    nothing runs): XLA:GPU's memory analysis for a node's worth of GPUs from one.
 The report holds XLA's per-device memory analysis and the collectives in the optimised HLO.
 
     python -m shardlab.plan.compiled.aot --json '<Config as JSON>' --devices N [--gpu]
@@ -144,9 +144,8 @@ def compile_on_cpu(cfg: Config, n_devices: int) -> StepReport:
 
 
 def compile_on_gpu(cfg: Config, n_devices: int) -> StepReport:
-  """On n GPUs mocked on this machine's GPU, in a subprocess: the mock must be set before
-  JAX starts its GPU client. Each mocked process holds one device, so a mesh with DCN axes
-  (processes grouped into nodes) cannot be laid out on them."""
+  """On n GPUs mocked on this machine's, in a subprocess: the mock must be set before JAX
+  starts its GPU client."""
   env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # JAX's own pick
   return _in_subprocess(cfg, n_devices, env, "--gpu")
 

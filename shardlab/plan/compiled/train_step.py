@@ -77,10 +77,11 @@ def where(req: plan_lib.Request, choice: str = "auto") -> tuple[str, ...]:
                         "(no /dev/nvidia*): use --compile-on cpu")
     spec = _spec(req)
     if mesh_lib.MeshSpec(ici={}, dcn=spec.dcn).n_devices > 1:
-      raise ConfigError(f"--compile-on gpu mocks one GPU per process, so the mesh "
-                        f"{inline_mesh(spec)!r} cannot be laid out: its DCN axes group "
-                        f"GPUs into nodes; plan one node's mesh (no dcn.* axes) or use "
-                        f"--compile-on cpu")
+      # Each mocked process holds this machine's GPUs, not a node of the plan's.
+      raise ConfigError(f"--compile-on gpu mocks processes of this machine's GPUs, not the "
+                        f"plan's nodes, so the mesh {inline_mesh(spec)!r} cannot be laid "
+                        f"out: its DCN axes group GPUs into nodes; plan one node's mesh (no "
+                        f"dcn.* axes) or use --compile-on cpu")
     return ("gpu",)
   tpu_target = kind == "tpu"
   if choice in ("tpu", "both") and not tpu_target:
