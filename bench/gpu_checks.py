@@ -284,6 +284,7 @@ def planner_row(name: str, batch: int, seq: int, remat: str, target: str, steps:
 
   from shardlab import config
   from shardlab.models import registry
+  from shardlab.plan.compiled import train_step as plan_compile
   from shardlab.plan.training import planner as plan
 
   model = registry.load(name)
@@ -292,7 +293,8 @@ def planner_row(name: str, batch: int, seq: int, remat: str, target: str, steps:
   train = config.TrainConfig(global_batch=batch, seq_len=seq, precision="bf16", remat=remat)
   req = plan.Request.from_config(config.Config(model=model, mesh="data:1", strategy="dp",
                                                train=train), target=target, devices=1)
-  est = plan.plan(req).estimate
+  # The estimate alone: `plan.plan` would also search device counts and other strategies.
+  est = plan.estimate(req, model, plan.hardware.get(target), plan_compile._spec(req))
   return {"model": name, "batch": batch, "seq": seq, "remat": remat,
           "measured_tokens_per_s": r["tokens_per_s"], "planned_tokens_per_s": est.tokens_per_s,
           "measured_mib": r["memory"]["total"] / 2**20, "planned_mib": est.memory.total / 2**20,
