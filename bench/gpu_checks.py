@@ -284,8 +284,8 @@ def planner_row(name: str, batch: int, seq: int, remat: str, target: str, steps:
 
   from shardlab import config
   from shardlab.models import registry
-  from shardlab.plan.compiled import train_step as plan_compile
   from shardlab.plan.training import planner as plan
+  from shardlab.runtime import hardware
 
   model = registry.load(name)
   r = core.run_train(model, "data:1", "dp", batch, seq, "bf16", steps, warmup, remat=remat,
@@ -294,7 +294,8 @@ def planner_row(name: str, batch: int, seq: int, remat: str, target: str, steps:
   req = plan.Request.from_config(config.Config(model=model, mesh="data:1", strategy="dp",
                                                train=train), target=target, devices=1)
   # The estimate alone: `plan.plan` would also search device counts and other strategies.
-  est = plan.estimate(req, model, plan.hardware.get(target), plan_compile._spec(req))
+  acc = hardware.get(target)
+  est = plan.estimate(req, model, acc, plan.resolve_mesh(req, model, acc))
   return {"model": name, "batch": batch, "seq": seq, "remat": remat,
           "measured_tokens_per_s": r["tokens_per_s"], "planned_tokens_per_s": est.tokens_per_s,
           "measured_mib": r["memory"]["total"] / 2**20, "planned_mib": est.memory.total / 2**20,
