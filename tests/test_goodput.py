@@ -71,7 +71,11 @@ def test_each_invocation_s_phases_add_up_to_its_wall_time(restarted):
     seconds = record["seconds"]
     assert set(seconds) == set(goodput.CHARGED)
     assert sum(seconds.values()) == pytest.approx(record["wall_s"], rel=1e-9)
-    assert record["wall_s"] == pytest.approx(wall, rel=0.02)  # nothing left uncounted
+    # Nothing left uncounted. The clock starts once train() has set up its call and stops at
+    # the summary, so a fixed few ms fall outside it: 15-22 ms measured alone, 41 ms in a
+    # loaded full suite (over 2% of the 2-s second invocation). The allowance stays below
+    # one injected batch wait (BATCH_SLEEP_S), so a phase left out still fails here.
+    assert record["wall_s"] == pytest.approx(wall, rel=0.02, abs=0.08)
     assert seconds["compile"] > 0 and seconds["productive"] > 0
   first, second = (r["seconds"] for r in records)
   assert first["checkpoint"] >= SAVE_SLEEP_S * saves[0]
