@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from shardlab.testing import fast_compile
+
 from test_multihost import PY, ROOT, env, launched, train_cmd
 
 
@@ -31,7 +33,8 @@ class Rank:
     cmd = train_cmd(10_000, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
                     "--process-id", str(rank), *extra)
     child_env = {**env(), "PYTHONUNBUFFERED": "1",
-                 "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+                 "XLA_FLAGS": "--xla_force_host_platform_device_count=4 " +
+                 fast_compile.only(os.environ)}
     with open(log, "w") as out:
       self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env,
                                    cwd=ROOT, start_new_session=True)

@@ -25,6 +25,7 @@ import time
 
 import pytest
 
+from shardlab.testing import fast_compile
 from docs_blocks import (PYTHON, ROOT, SHELL, Block, apply_spec, blocks, commands, docs,
                          with_ci_train)
 
@@ -49,7 +50,8 @@ def test_every_block_is_run_or_says_why():
 
 def _env(workdir) -> dict[str, str]:
   # A user's shell: none of this process's device settings (each command sets its own), but
-  # the suite's compilation cache where `--shardlab-cache` gave one (JAX_COMPILATION_*).
+  # the suite's compilation cache where `--shardlab-cache` gave one (JAX_COMPILATION_*) and
+  # its faster-compiling XLA:CPU settings (shardlab_fast_compile).
   env = {k: v for k, v in os.environ.items()
          if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES", "PJRT_NPROC")
          and not k.startswith("PYTEST_")}
@@ -59,6 +61,8 @@ def _env(workdir) -> dict[str, str]:
   env.update(PATH=f"{venv}/bin:{env.get('PATH', '/usr/bin:/bin')}", VIRTUAL_ENV=venv,
              COLUMNS="80", PYTHONUNBUFFERED="1", SHARDLAB_HUGE_PAGES="0")
   env.pop("PYTHONHOME", None)
+  if fast_compile.only(os.environ):
+    env["XLA_FLAGS"] = fast_compile.only(os.environ)
   return env
 
 

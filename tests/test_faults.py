@@ -17,6 +17,7 @@ from shardlab.cli import inspect as inspect_cli
 from shardlab.cli import train as train_cli
 from shardlab.errors import ConfigError
 from shardlab.data import corpus as data
+from shardlab.testing import fast_compile
 from test_checkpoint import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +34,7 @@ def train_process(args: list[str], timeout: float, mounts: str = "") -> tuple[in
   cmd = [sys.executable, str(ROOT / "train.py"), "--simulate-devices", "8", *args]
   if mounts:
     cmd = ["unshare", "-rm", "sh", "-c", f'{mounts} && exec "$@"', "sh", *cmd]
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": fast_compile.only(os.environ)}
   try:
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT,
                          timeout=timeout)

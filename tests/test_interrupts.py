@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from shardlab.testing import fast_compile
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -23,7 +25,8 @@ def interrupted(wait_for: str | None, delay: float, *extra: str) -> tuple[int, s
   proc = subprocess.Popen([sys.executable, "train.py", "--model", "tiny", "--steps", "50",
                            "--sample-tokens", "0", *extra], stdin=slave, stdout=slave,
                           stderr=slave, cwd=ROOT, start_new_session=True,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
+                          env={**os.environ, "JAX_PLATFORMS": "cpu",
+                               "XLA_FLAGS": fast_compile.only(os.environ)})
   os.close(slave)
   text, sent_at, deadline = b"", None, time.monotonic() + 240
   try:

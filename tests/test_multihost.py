@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from shardlab.testing import fast_compile
+
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 SMALL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
@@ -29,7 +31,7 @@ def train_cmd(steps: int, *extra: str) -> list[str]:
 
 def env() -> dict:
   clean = {k: v for k, v in os.environ.items() if not k.startswith("SHARDLAB_")}
-  return {**clean, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  return {**clean, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": fast_compile.only(os.environ)}
 
 
 def launched(cmd: list[str], timeout: float = 400) -> str:

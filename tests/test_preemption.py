@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from shardlab.testing import fast_compile
 from shardlab.training import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,7 +23,7 @@ def start(directory: Path, steps: int, *extra: str) -> subprocess.Popen:
   sets = [a for s in SMALL + [f"train.steps={steps}"] for a in ("--set", s)]
   cmd = [sys.executable, str(ROOT / "train.py"), "--simulate-devices", "8",
          "--checkpoint-dir", str(directory), *sets, *extra]
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": fast_compile.only(os.environ)}
   return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env=env, cwd=ROOT)
 

@@ -1,5 +1,6 @@
 """`--shardlab-fast-compile` (or `shardlab_fast_compile = true`): XLA:CPU's older loop emitters
-for a pytest session and the processes its tests start (shardlab/testing/fast_compile.py)."""
+at LLVM level 1 for a pytest session and the processes its tests start
+(shardlab/testing/fast_compile.py)."""
 
 import os
 
@@ -19,8 +20,8 @@ def test_flags():
 
 
 def _without_the_flag(monkeypatch, extra: str = "") -> None:
-  """The suite itself runs with the flag (pyproject.toml); the sessions here start without."""
-  flags = os.environ.get("XLA_FLAGS", "").replace(fast_compile.FLAG, "")
+  """The suite itself runs with the flags (pyproject.toml); the sessions here start without."""
+  flags = fast_compile.without(dict(os.environ))["XLA_FLAGS"]
   monkeypatch.setenv("XLA_FLAGS", f"{flags} {extra}".strip())
 
 
@@ -34,15 +35,15 @@ def test_option_and_ini_pass_the_flag_to_xla_and_to_child_processes(pytester, mo
   pytester.makepyfile(test_user=USER_TEST)
   off = pytester.runpytest_subprocess("-s", "-p", "no:cacheprovider")
   off.assert_outcomes(passed=1)
-  assert fast_compile.FLAG not in _flags_line(off)
+  assert not any(flag in _flags_line(off) for flag in fast_compile.FLAGS)
   on = pytester.runpytest_subprocess("-s", "-p", "no:cacheprovider", "--shardlab-fast-compile")
   on.assert_outcomes(passed=1)
   mine, child = _flags_line(on).split("| CHILD")
-  assert fast_compile.FLAG in mine and fast_compile.FLAG in child
+  assert all(flag in mine and flag in child for flag in fast_compile.FLAGS), (mine, child)
   pytester.makeini("[pytest]\nshardlab_fast_compile = true\n")
   ini = pytester.runpytest_subprocess("-s", "-p", "no:cacheprovider")
   ini.assert_outcomes(passed=1)
-  assert fast_compile.FLAG in _flags_line(ini)
+  assert all(flag in _flags_line(ini) for flag in fast_compile.FLAGS)
 
 
 def test_a_choice_already_in_xla_flags_is_kept(pytester, monkeypatch):
@@ -52,7 +53,16 @@ def test_a_choice_already_in_xla_flags_is_kept(pytester, monkeypatch):
                                          "--shardlab-fast-compile")
   result.assert_outcomes(passed=1)
   line = _flags_line(result)
-  assert "--xla_cpu_use_fusion_emitters=true" in line and fast_compile.FLAG not in line
+  emitters, level = fast_compile.FLAGS
+  assert "--xla_cpu_use_fusion_emitters=true" in line and emitters not in line
+  assert level in line  # the option the user left unset is still added
+
+
+def test_without_takes_out_only_the_fast_compile_flags():
+  env = {"XLA_FLAGS": " ".join(("--xla_force_host_platform_device_count=8",
+                                *fast_compile.FLAGS)), "OTHER": "1"}
+  assert fast_compile.without(env) == {
+      "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "OTHER": "1"}
 
 
 def test_a_backend_already_started_is_refused(pytester, monkeypatch):

@@ -1,6 +1,6 @@
 """The pytest plugin (entry point `pytest11: shardlab`): simulated CPU devices chosen before
 JAX starts, a persistent compilation cache shared with the processes tests start, XLA:CPU's
-faster-compiling loop emitters, and a `mesh` fixture with the CLI's mesh syntax. Does nothing
+faster-compiling settings, and a `mesh` fixture with the CLI's mesh syntax. Does nothing
 unless asked."""
 
 import jax
@@ -32,11 +32,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
   parser.addini(CACHE_INI, "directory of JAX's persistent compilation cache for the tests "
                 "(empty: none)", default="")
   group.addoption(FAST_OPTION, action="store_true", default=False,
-                  help=f"compile with XLA:CPU's older loop emitters ({fast_compile.FLAG}): "
-                       "quicker compiles, slower bf16 programs; for the tests and every "
-                       f"process they start (default: the {FAST_INI} ini value)")
-  parser.addini(FAST_INI, f"XLA:CPU's faster-compiling loop emitters for the tests "
-                f"({fast_compile.FLAG})", type="bool", default=False)
+                  help=f"compile with XLA:CPU's older loop emitters at LLVM level 1 "
+                       f"({' '.join(fast_compile.FLAGS)}): quicker compiles, slower programs; "
+                       f"for the tests and every process they start (default: the {FAST_INI} "
+                       "ini value)")
+  parser.addini(FAST_INI, f"faster-compiling XLA:CPU settings for the tests "
+                f"({' '.join(fast_compile.FLAGS)})", type="bool", default=False)
 
 
 def requested_devices(config: pytest.Config) -> int:
@@ -64,7 +65,7 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser, args) -> 
       fast_compile.enable()
     except RuntimeError as e:
       raise pytest.UsageError(f"{FAST_OPTION}: {e} (start JAX later, or set "
-                              f"XLA_FLAGS={fast_compile.FLAG})") from None
+                              f"XLA_FLAGS='{' '.join(fast_compile.FLAGS)}')") from None
   directory = requested_cache(early_config)
   if directory:
     try:
