@@ -58,11 +58,13 @@ def test_a_choice_already_in_xla_flags_is_kept(pytester, monkeypatch):
   assert level in line  # the option the user left unset is still added
 
 
-def test_without_takes_out_only_the_fast_compile_flags():
+def test_without_and_only_split_the_fast_compile_flags_from_the_rest():
   env = {"XLA_FLAGS": " ".join(("--xla_force_host_platform_device_count=8",
                                 *fast_compile.FLAGS)), "OTHER": "1"}
   assert fast_compile.without(env) == {
       "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "OTHER": "1"}
+  assert fast_compile.only(env) == " ".join(fast_compile.FLAGS)
+  assert fast_compile.only({"OTHER": "1"}) == ""
 
 
 def test_a_backend_already_started_is_refused(pytester, monkeypatch):

@@ -43,8 +43,8 @@ def enable() -> list[str]:
 
 
 def without(env: dict[str, str]) -> dict[str, str]:
-  """`env` with FLAGS taken out of its XLA_FLAGS (a process to run as it would outside the
-  tests)."""
+  """`env` with FLAGS taken out of its XLA_FLAGS: for a process that should compile as it
+  would outside the tests."""
   kept = [f for f in env.get("XLA_FLAGS", "").split() if f not in FLAGS]
   return {**env, "XLA_FLAGS": " ".join(kept)}
 
