@@ -61,8 +61,9 @@ def _env(workdir) -> dict[str, str]:
   env.update(PATH=f"{venv}/bin:{env.get('PATH', '/usr/bin:/bin')}", VIRTUAL_ENV=venv,
              COLUMNS="80", PYTHONUNBUFFERED="1", SHARDLAB_HUGE_PAGES="0")
   env.pop("PYTHONHOME", None)
-  if fast_compile.only(os.environ):
-    env["XLA_FLAGS"] = fast_compile.only(os.environ)
+  flags = fast_compile.only(os.environ)
+  if flags:
+    env["XLA_FLAGS"] = flags
   return env
 
 

@@ -42,13 +42,6 @@ def enable() -> list[str]:
   return [flag for flag in missing if xla_flags.add(flag)]
 
 
-def without(env: dict[str, str]) -> dict[str, str]:
-  """`env` with FLAGS taken out of its XLA_FLAGS: for a process that should compile as it
-  would outside the tests."""
-  kept = [f for f in env.get("XLA_FLAGS", "").split() if f not in FLAGS]
-  return {**env, "XLA_FLAGS": " ".join(kept)}
-
-
 def only(env: dict[str, str]) -> str:
   """The FLAGS in `env`'s XLA_FLAGS, alone: XLA_FLAGS for a process that sets its own
   devices but should compile as the tests do."""

@@ -15,6 +15,7 @@ from shardlab.testing import cache, fast_compile
 OPTION, INI = "--shardlab-devices", "shardlab_devices"
 CACHE_OPTION, CACHE_INI = "--shardlab-cache", "shardlab_cache"
 FAST_OPTION, FAST_INI = "--shardlab-fast-compile", "shardlab_fast_compile"
+FAST_FLAGS = " ".join(fast_compile.FLAGS)  # as the help and the error show them
 DEVICES = Int(min=0)  # the option's and the ini value's range
 
 
@@ -33,11 +34,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 "(empty: none)", default="")
   group.addoption(FAST_OPTION, action="store_true", default=False,
                   help=f"compile with XLA:CPU's older loop emitters at LLVM level 1 "
-                       f"({' '.join(fast_compile.FLAGS)}): quicker compiles, slower programs; "
+                       f"({FAST_FLAGS}): quicker compiles, slower programs; "
                        f"for the tests and every process they start (default: the {FAST_INI} "
                        "ini value)")
   parser.addini(FAST_INI, f"faster-compiling XLA:CPU settings for the tests "
-                f"({' '.join(fast_compile.FLAGS)})", type="bool", default=False)
+                f"({FAST_FLAGS})", type="bool", default=False)
 
 
 def requested_devices(config: pytest.Config) -> int:
@@ -65,7 +66,7 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser, args) -> 
       fast_compile.enable()
     except RuntimeError as e:
       raise pytest.UsageError(f"{FAST_OPTION}: {e} (start JAX later, or set "
-                              f"XLA_FLAGS='{' '.join(fast_compile.FLAGS)}')") from None
+                              f"XLA_FLAGS='{FAST_FLAGS}')") from None
   directory = requested_cache(early_config)
   if directory:
     try:
