@@ -27,8 +27,12 @@ MOE = VariantConfig(n_layers=2, n_experts=8, max_len=32)
 # difference into a step of full size; elements may differ by a fraction of their leaf's
 # largest magnitude. A wrong update is off by about lr (3e-3) of a leaf scale ~1: 100× this.
 # Measured beyond rtol on an AVX512-BF16 Xeon: pipeline 1.3e-7, ring 4.5e-6, experts 1.4e-5
-# of the leaf's scale (tests/test_moe_parallel.py allows its MoE 2e-4, having seen 1.1e-4).
+# of the leaf's scale.
 FP32_ADAM = dict(rtol=1e-5, scaled_atol=3e-5)
+# The experts' case moved further on an Intel Xeon with AMX: 5.4e-5 of the leaf's scale beyond
+# rtol (one element in 32768), which failed 3e-5. It takes tests/test_moe_parallel.py's MoE
+# allowance (1.1e-4 seen there), still 15x below a wrong update.
+MOE_ADAM = dict(rtol=1e-5, scaled_atol=2e-4)
 # What places the stacked layers on the pipeline's stages (every strategy's default for a
 # mesh with a `stage` axis, written out); the optimizer state follows its params.
 PIPELINE = {table: {"layers": "stage"} for table in ("params", "opt_state", "activations")}
@@ -75,13 +79,13 @@ def reference(cfg: VariantConfig, length: int):
   return history, params, init
 
 
-def assert_matches_reference(cfg, length, history, params, what: str):
+def assert_matches_reference(cfg, length, history, params, what: str, tol=FP32_ADAM):
   want_history, want_params, _ = reference(cfg, length)
   for i, (got, want) in enumerate(zip(history, want_history)):
     for key in want:
       np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=f"{what} {i} {key}")
   assert want_history[-1]["loss"] < want_history[0]["loss"]
-  assert_params_close(params, want_params, what=f"{what} params", **FP32_ADAM)
+  assert_params_close(params, want_params, what=f"{what} params", **tol)
 
 
 def test_pipeline_times_fsdp_matches_one_device():
@@ -117,7 +121,7 @@ def test_moe_expert_parallel_matches_one_device():
   init = reference(MOE, length)[2]
   history, params, found, _ = train(MOE, "fsdp:2,expert:4", "fsdp", EXPERTS, length=length,
                                     init=init)
-  assert_matches_reference(MOE, length, history, params, "experts")
+  assert_matches_reference(MOE, length, history, params, "experts", MOE_ADAM)
   to_all = found.get("all-to-all", {"count": 0, "axes": {}})
   # Per layer: there and back in the forward, and again in the backward (XLA adds one over
   # fsdp × expert of its own for the embedding lookup).
