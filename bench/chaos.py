@@ -30,16 +30,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from chaos_run import chaos_run, straight  # noqa: E402
 from chaos_scenarios import SCENARIOS  # noqa: E402
 
+from shardlab.runtime import cpu_info  # noqa: E402
 from shardlab.testing import cache  # noqa: E402
-
-
-def cpu_model() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-  except OSError:
-    names = []
-  return f"{names[0] if names else 'unknown CPU'}, {os.cpu_count()} cores"
 
 
 def moments_for(scenario, rng: random.Random) -> list[str]:
@@ -67,7 +59,8 @@ def main(argv=None) -> int:
   out = Path(args.out or tempfile.mkdtemp(prefix="shardlab-chaos-")).resolve()
   cache.enable(str(out / "jax-cache"))
   rng, begun, results = random.Random(args.seed), time.monotonic(), []
-  print(f"chaos: {args.runs} runs, seed {args.seed}, in {out}; host {cpu_model()}", flush=True)
+  print(f"chaos: {args.runs} runs, seed {args.seed}, in {out}; {cpu_info.describe()}",
+        flush=True)
   order = []  # every scenario once, in a random order, then again
   run_s = {}  # how long a run of each scenario lasts with its compile cached
   for i in range(args.runs):
@@ -100,7 +93,7 @@ def print_table(results: list, seconds: float) -> None:
           ("resumed", sum(r.resumed for r in results)),
           ("bit-identical", sum(r.identical for r in results)),
           ("lost", sum(r.lost for r in results))]
-  print(f"\nhost           {cpu_model()}")
+  print(f"\nhost           {cpu_info.model()}, {os.cpu_count()} cores")
   for name, n in rows:
     print(f"{name:<14} {n}")
   by = {}

@@ -146,8 +146,9 @@ def main():
   p.add_argument("--steps", type=int, default=15, help="timed steps per run")
   p.add_argument("--warmup", type=int, default=4, help="untimed steps after compiling")
   args = p.parse_args()
-  from shardlab.runtime import host_memory
+  from shardlab.runtime import cpu_info, host_memory
   host_memory.reexec_with_huge_pages()  # as train.py does; MaxText's runs inherit it
+  print(cpu_info.describe())
   print(host_memory.describe() + ", MaxText's runs inherit it")
   rows = compare(args.rounds, args.remat, args.steps, args.warmup)
   print_table(rows)

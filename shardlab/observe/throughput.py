@@ -14,14 +14,13 @@ import dataclasses
 import functools
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from shardlab.runtime import hardware
+from shardlab.runtime import cpu_info, hardware
 
 CPU_PEAK_FILE = "cpu-peak.json"
 
@@ -74,15 +73,7 @@ def cache_dir() -> Path:
 
 def host_key() -> str:
   """The CPU model, its core count and the jax version: what the matmul rate depends on."""
-  model = platform.processor() or platform.machine()
-  try:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith("model name"):
-        model = line.split(":", 1)[1].strip()
-        break
-  except OSError:
-    pass
-  return f"{model} | {os.cpu_count()} cores | jax {jax.__version__}"
+  return f"{cpu_info.model()} | {os.cpu_count()} cores | jax {jax.__version__}"
 
 
 def _read_peaks(path: Path) -> dict:

@@ -24,11 +24,11 @@ into fp32) or `=output` (ask for the output dtype) overrides it.
 
 import functools
 import os
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from shardlab.runtime import cpu_info
 from shardlab.sharding.activations import platform
 
 
@@ -57,14 +57,10 @@ def einsum(spec: str, a, b, out_dtype=None, copies: bool = True):
                  b.astype(dtype))
 
 
-@functools.cache
 def _native_bf16() -> bool:
-  try:
-    lines = Path("/proc/cpuinfo").read_text().splitlines()
-  except OSError:  # not Linux: assume the fp32-result path, as before this check
+  flags = cpu_info.flags()
+  if flags is None:  # not Linux: assume the fp32-result path, as before this check
     return True
-  flags = {f for line in lines if line.startswith(("flags", "Features"))
-           for f in line.split(":", 1)[-1].split()}
   return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
