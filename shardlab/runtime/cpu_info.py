@@ -1,6 +1,7 @@
 """The host's CPU as /proc/cpuinfo names it: its model and the instruction sets XLA:CPU's speed
-depends on. The same step runs 1.2-1.3x apart on two CPUs of one cloud, and the dot path is
-chosen by the CPU (parallel/dot.py), so benchmarks print this with their figures."""
+depends on. The peer benchmark's step took 1.4x longer on one of the CPUs CI runs on than on
+another (docs/performance.md), and the dot path is chosen by the CPU (parallel/dot.py), so
+benchmarks print this with their figures."""
 
 import functools
 import os
@@ -15,9 +16,9 @@ SPEED_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_v
 
 
 @functools.cache
-def _lines(path: str = CPUINFO) -> tuple[str, ...]:
+def _lines() -> tuple[str, ...]:
   try:
-    return tuple(Path(path).read_text().splitlines())
+    return tuple(Path(CPUINFO).read_text().splitlines())
   except OSError:  # not Linux
     return ()
 
