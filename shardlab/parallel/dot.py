@@ -57,6 +57,7 @@ def einsum(spec: str, a, b, out_dtype=None, copies: bool = True):
                  b.astype(dtype))
 
 
+@functools.cache  # asked on every traced dot; the CPU does not change under a process
 def _native_bf16() -> bool:
   flags = cpu_info.flags()
   if flags is None:  # not Linux: assume the fp32-result path, as before this check
