@@ -14,9 +14,12 @@ def main():
   argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
   fitted, held = published.split()
   sources = []
+  w_run = max(len(r.name) for r in published.RUNS)
+  w_target = max(len(r.target) for r in published.RUNS)
   for title, runs in (("fitted", fitted), ("held out", held)):
     print(f"== {title} ==")
-    print(f"{'run':52s} {'target':9s} {'predicted':>9s} {'measured':>9s} {'ratio':>6s}  src")
+    print(f"{'run':{w_run}s} {'target':{w_target}s} {'predicted':>9s} {'measured':>9s} "
+          f"{'ratio':>6s}  src")
     worst = 0.0
     for r in runs:
       e = published.predict(r)
@@ -25,7 +28,7 @@ def main():
         sources.append(r.source)
       x = predicted / r.tokens_per_s
       worst = max(worst, abs(x - 1))
-      print(f"{r.name:52s} {r.target:9s} {predicted:9.0f} {r.tokens_per_s:9.0f} {x:6.2f}  "
+      print(f"{r.name:{w_run}s} {r.target:{w_target}s} {predicted:9.0f} {r.tokens_per_s:9.0f} {x:6.2f}  "
             f"[{sources.index(r.source) + 1}]")
     print(f"worst |ratio - 1|: {worst:.1%}\n")
   for i, s in enumerate(sources):

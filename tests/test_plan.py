@@ -183,8 +183,8 @@ def test_hardware_entries_are_complete():
     assert 1e10 <= acc.host_bw <= 1e11  # PCIe 4.0 / 5.0 x16
     assert 0 < acc.usable_bytes < acc.hbm_bytes
     assert (acc.topology is not None) == (acc.kind == "tpu")
-  assert set(hardware.names()) == {"a100-40g", "a100-80g", "h100-80g", "h200", "l4-24g", "tpu-v4",
-                                   "tpu-v5e", "tpu-v5p", "tpu-v6e"}
+  assert set(hardware.names()) == {"a100-40g", "a100-80g", "h100-80g", "h100-96g-500w", "h200",
+                                   "l4-24g", "tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e"}
 
 
 def test_request_is_a_plain_dataclass():

@@ -81,6 +81,16 @@ ACCELERATORS = {a.name: a for a in (
     # Host link: PCIe 5.0 x16, 64 GB/s each way (H100 and H200 SXM).
     Accelerator("h100-80g", 989e12, 81559 * MiB, 3350 * GB, 450 * GB, 50 * GB, 8, 1 * GiB,
                 "gpu", efficiency=0.40, efficiency_source=_LLAMA3, host_bw=64 * GB),
+    # Meta's Grand Teton H100 (torchtitan docs/performance.md, "Performance" set-up): 96 GB
+    # HBM2e at 2.4 TB/s (95 GiB in an earlier version of the doc), run at its default 500 W
+    # power limit (the SXM part's TDP is 700 W). Its peak
+    # is published only as bounds: "between SXM and NVL, and we don't know its exact value"
+    # (performance.md, footnote 2), i.e. between H100 NVL's 835 and SXM's 989 TFLOP/s bf16
+    # dense; the midpoint, 912, is off by at most 8.5% whichever bound is the truth.
+    # Efficiency, links and host as for the SXM part (same tensor cores, NVLink 4, 400 Gb/s
+    # RDMA per GPU).
+    Accelerator("h100-96g-500w", 912e12, 95 * GiB, 2400 * GB, 450 * GB, 50 * GB, 8, 1 * GiB,
+                "gpu", efficiency=0.40, efficiency_source=_LLAMA3, host_bw=64 * GB),
     # NVIDIA H200 SXM datasheet: same compute and NVLink as H100, 141 GB HBM3e at 4.8 TB/s.
     # nvidia-smi: 143771 MiB. Efficiency: no published training MFU found; H100's figure is
     # assumed (same tensor cores and clocks; more bandwidth speeds memory-bound work only).

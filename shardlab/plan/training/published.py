@@ -19,8 +19,9 @@ MEGATRON = ("Narayanan et al. 2021, Efficient Large-Scale Language Model Trainin
 TORCHTITAN_A100 = ("torchtitan docs/performance.md, Llama 3 / Llama 2 on 64 A100 80GB, FSDP2 "
                    "(https://github.com/pytorch/torchtitan/blob/main/docs/performance.md)")
 TORCHTITAN_H100 = ("torchtitan docs/performance.md, Table 1: Llama 3.1 8B, 8 H100, FSDP, "
-                   "selective AC (https://github.com/pytorch/torchtitan/blob/main/docs/"
-                   "performance.md)")
+                   "selective AC; 96 GB HBM2e H100s at a 500 W power limit, peak between "
+                   "NVL and SXM (its footnote 2) (https://github.com/pytorch/torchtitan/"
+                   "blob/main/docs/performance.md)")
 MAXTEXT_V6E = ("MaxText docs/reference/models/tiering.md (v6e Gold: Llama 2 70B, 256 chips, "
                "SL=4096, ~900 tokens/s/device); settings: benchmarks/"
                "maxtext_trillium_model_configs.py llama2_70b_4096 (per_device_batch_size 4, "
@@ -79,7 +80,9 @@ RUNS = (
     _titan("llama2-13b", "a100-80g", 64, 2, 4096, "save-matmul-outputs", 1904,
            TORCHTITAN_A100),
     _titan("llama2-70b", "a100-80g", 64, 2, 4096, "full", 353, TORCHTITAN_A100),
-    _titan("llama3-8b", "h100-80g", 8, 2, 8192, "save-matmul-outputs", 5762, TORCHTITAN_H100),
+    # Its GPUs are not DGX H100s: the target describes them (hardware.py, h100-96g-500w).
+    _titan("llama3-8b", "h100-96g-500w", 8, 2, 8192, "save-matmul-outputs", 5762,
+           TORCHTITAN_H100),
     Run("maxtext-llama2-70b-v6e", "llama2-70b", "tpu-v6e", "fsdp", {"fsdp": 256}, 1024, 4096,
         "full", 900, MAXTEXT_V6E, fitted=True),
 )
