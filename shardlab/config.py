@@ -75,11 +75,11 @@ class TrainConfig:
     choices = {"optimizer": ("adamw", "adafactor", "sgd"),
                "precision": ("auto", "fp32", "bf16", "bf16-params"),
                "grad_dtype": ("auto", "fp32", "bf16"), "offload": ("none", "opt_state"),
-               "remat": tuple(remat_policies.POLICIES),
                "nonfinite": ("stop", "skip"), "pipeline_schedule": ("gpipe", "1f1b")}
     for f, valid in choices.items():
       if getattr(self, f) not in valid:
         raise unknown(f"train.{f}", getattr(self, f), valid)
+    remat_policies.policy(self.remat)  # a listed policy or a custom spec, else refused
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,9 +7,17 @@ recipes carry over by name: its `save_dot_except_mlpwi` is `save-dot-except-mlpw
 `minimal` is `save-matmul-outputs`. A user's module gets the named policies by naming the
 same tensors (`jax.ad_checkpoint.checkpoint_name`, or `project_target`'s projections do it),
 and `full`, `offload` and `save-matmul-outputs` with no names at all.
+
+Besides the listed policies, `custom:NAME=WHERE,...` keeps each named tensor where it says
+(MaxText's `remat_policy=custom` with its per-tensor settings): WHERE is `device`, `offload`
+(host memory) or `remat` (computed again, as any name left out is). `policy(remat)` reads
+both forms.
 """
 
 import dataclasses
+import functools
+
+from shardlab.errors import ConfigError, unknown
 
 LAYER_INPUT = "layer_input"  # the checkpoint_name of a layer's input (remat "offload")
 
@@ -76,6 +84,64 @@ POLICIES = {
 
 # The policies that need a model to name its projections (PROJECTION_NAMES).
 NAMED = tuple(k for k, p in POLICIES.items() if p and p.names)
-# The policies that run every layer's whole forward again: they keep no matmul output
-# (offload keeps the layer input on the host rather than the device).
-RECOMPUTE_ALL = tuple(k for k, p in POLICIES.items() if p and not p.names and not p.dots)
+
+# A custom policy's spec: "custom:" then NAME=WHERE pairs, comma-separated.
+CUSTOM = "custom:"
+CUSTOM_NAMES = (LAYER_INPUT, *PROJECTION_NAMES.values())
+CUSTOM_WHERE = ("device", "offload", "remat")
+_VALID = [*POLICIES, f"{CUSTOM}NAME=device|offload|remat,..."]
+
+
+def policy(remat: str) -> Policy | None:
+  """The Policy a train.remat value names: a key of POLICIES, or a custom spec (the module
+  docstring); anything else is refused naming the valid ones."""
+  if not isinstance(remat, str) or not (remat in POLICIES or remat.startswith(CUSTOM)):
+    raise unknown("train.remat", remat, _VALID)
+  return POLICIES[remat] if remat in POLICIES else _custom(remat)
+
+
+@functools.cache
+def _custom(remat: str) -> Policy:
+  where: dict[str, str] = {}
+  for item in remat[len(CUSTOM):].split(","):
+    name, eq, place = (part.strip() for part in item.partition("="))
+    if not eq or name not in CUSTOM_NAMES or place not in CUSTOM_WHERE:
+      raise ConfigError(
+          f"train.remat {remat!r}: {item.strip()!r} is not NAME=WHERE with NAME one of "
+          f"{', '.join(CUSTOM_NAMES)} and WHERE one of {', '.join(CUSTOM_WHERE)}")
+    if name in where:
+      raise ConfigError(f"train.remat {remat!r} places {name} twice")
+    where[name] = place
+  if where.get(LAYER_INPUT) == "device":
+    raise ConfigError(f"train.remat {remat!r}: {LAYER_INPUT}=device is what every policy "
+                      f"does (the layer scan keeps each layer's input); offload it or leave "
+                      f"it out")
+  return Policy(saved=tuple(n for n in CUSTOM_NAMES if where.get(n) == "device"),
+                offloaded=tuple(n for n in CUSTOM_NAMES if where.get(n) == "offload"))
+
+
+def custom(*, saved=(), offloaded=()) -> str:
+  """The custom spec that keeps `saved` names on the device and `offloaded` ones in host
+  memory (MaxText's `remat_policy=custom` with those names at `device` and `offload`)."""
+  return CUSTOM + ",".join([*(f"{n}=device" for n in saved),
+                            *(f"{n}=offload" for n in offloaded)])
+
+
+def recomputes_all(remat: str) -> bool:
+  """Whether a policy runs each layer's whole forward again (it keeps no matmul output:
+  full, offload, a custom policy that keeps at most the layer input)."""
+  p = policy(remat)
+  return p is not None and not p.names and not p.dots
+
+
+def offered(remat: str, accepted) -> bool:
+  """Whether a model whose `remat_policies` are `accepted` runs `remat`: a listed policy if
+  it is among them; a custom one if the model runs the listed policies that need what it
+  needs (its projections named: the named ones; its input offloaded: `offload`)."""
+  if remat in POLICIES:
+    return remat in accepted
+  p = policy(remat)
+  needs = list(NAMED) if p.names else []
+  if LAYER_INPUT in p.offloaded:
+    needs.append("offload")
+  return all(n in accepted for n in needs)

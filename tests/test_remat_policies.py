@@ -4,6 +4,7 @@ a mixture of experts — the planner keeps the same bytes on the device and in h
 and every policy computes the same gradients as no remat."""
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -18,11 +19,18 @@ from shardlab.models import registry
 from shardlab.plan.training import memory as plan_memory
 from shardlab.plan.training import recompute
 from shardlab.plan.training.activations import ActivationShapes
+from shardlab.training import combinations
 
 B, L = 2, 32
 FAMILIES = ("tiny", "gpt2-tiny", "gemma2-tiny", "gemma3-tiny", "qwen2-tiny", "phi3-tiny",
             "moe-tiny")
-REMATTED = tuple(r for r in remat_lib.POLICIES if r != "none")
+# MaxText's llama3.1-8b recipe on v6e-256 (benchmarks/maxtext_trillium_model_configs.py:
+# remat_policy=custom, its decoder input and q/k/v/out projections offloaded), and a custom
+# policy that keeps some projections on the device and offloads others.
+LLAMA31_8B_V6E = ("custom:layer_input=offload,query_proj=offload,key_proj=offload,"
+                  "value_proj=offload,out_proj=offload")
+MIXED = "custom:query_proj=device,key_proj=remat,value_proj=offload,mlpwi_0=offload"
+REMATTED = (*(r for r in remat_lib.POLICIES if r != "none"), LLAMA31_8B_V6E, MIXED)
 
 
 def loss_fn(m, remat: str, abstract: bool = False):
@@ -112,13 +120,62 @@ def test_every_policy_computes_the_same_gradients():
   """tiny in fp32: every policy's gradients are no remat's (offloading ones too: XLA:CPU
   has a pinned_host memory), so a policy changes memory and time, never the update."""
   m = registry.load("tiny")
-  losses = {r: loss_fn(m, r) for r in remat_lib.POLICIES}
+  losses = {r: loss_fn(m, r) for r in ("none", *REMATTED)}
   state = losses["none"][1]  # one init: the params do not depend on the policy
   grads = jax.jit(lambda s: {r: jax.grad(f)(s) for r, (f, _) in losses.items()})(state)
   for remat in REMATTED:
     for g, w in zip(jax.tree.leaves(grads[remat]), jax.tree.leaves(grads["none"])):
       np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=1e-7,
                                  err_msg=remat)
+
+
+def test_a_custom_policy_is_the_listed_one_that_keeps_the_same_tensors_in_the_same_place():
+  """A custom spec keeps what it names where it says: written out, the listed policies are
+  the same Policy (and so the same residuals, plan and program); the recipe above offloads
+  its input and four projections, and MIXED's key projection, left to `remat`, is not kept."""
+  same = {"custom:layer_input=offload": "offload",
+          "custom:query_proj=offload, key_proj=offload ,value_proj=offload": "qkv-proj-offloaded",
+          "custom:query_proj=device,key_proj=device,value_proj=device": "save-qkv-proj",
+          "custom:out_proj=device,query_proj=device,key_proj=device,value_proj=device,"
+          "mlpwi_0=remat": "save-dot-except-mlp"}
+  for spec, listed in same.items():
+    assert remat_lib.policy(spec) == remat_lib.POLICIES[listed], spec
+  p = remat_lib.policy(LLAMA31_8B_V6E)
+  assert p.saved == () and set(p.offloaded) == {"layer_input", *remat_lib.QKV, "out_proj"}
+  p = remat_lib.policy(MIXED)
+  assert p.saved == ("query_proj",) and p.offloaded == ("value_proj", "mlpwi_0")
+  assert remat_lib.recomputes_all("custom:layer_input=offload")
+  assert not remat_lib.recomputes_all(MIXED)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("custom:", r"'' is not NAME=WHERE"),
+    ("custom:query_proj", r"'query_proj' is not NAME=WHERE with NAME one of layer_input"),
+    ("custom:decoder_layer_input=offload", r"NAME one of layer_input, query_proj"),
+    ("custom:query_proj=host", r"WHERE one of device, offload, remat"),
+    ("custom:query_proj=device,query_proj=offload", r"places query_proj twice"),
+    ("custom:layer_input=device", r"layer_input=device is what every policy does"),
+    ("custom query_proj=device", r"unknown train.remat.*valid: custom:NAME="),
+])
+def test_a_malformed_custom_policy_is_refused_naming_what_is_valid(spec, message):
+  with pytest.raises(ConfigError, match=message):
+    TrainConfig(remat=spec)
+
+
+def test_a_custom_policy_runs_on_a_model_that_runs_what_it_builds_on():
+  """A module offering only full and offload (it names no projections) runs a custom
+  policy that offloads its input, and refuses one that names a projection, saying why."""
+  accepted = ("none", "full", "offload")
+  assert remat_lib.offered("custom:layer_input=offload", accepted)
+  assert not remat_lib.offered("custom:layer_input=offload", ("none", "full"))
+  assert not remat_lib.offered(MIXED, accepted)
+  assert remat_lib.offered(MIXED, tuple(remat_lib.POLICIES))
+  cfg = types.SimpleNamespace(model=types.SimpleNamespace(name="mine", remat_policies=accepted),
+                              train=types.SimpleNamespace(remat=MIXED),
+                              lora=types.SimpleNamespace(rank=0))
+  with pytest.raises(ConfigError, match=r"not offered by model mine; valid: none, full, "
+                                         r"offload \(a custom policy .* naming projections"):
+    combinations.check_model_settings(cfg)
 
 
 def test_a_policy_is_named_as_train_remat_or_refused_naming_the_valid_ones():

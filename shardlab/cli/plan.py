@@ -51,7 +51,7 @@ def _add_request(p: argparse.ArgumentParser, devices_help: str = FEWEST,
   p.add_argument("--seq-len", type=config_lib.BOUNDS["train.seq_len"], default=t.seq_len,
                  help="tokens per sequence; %(type)s")
   p.add_argument("--remat", default=t.remat,
-                 help=" | ".join(remat_lib.POLICIES) + " (docs/remat.md)")
+                 help=" | ".join(remat_lib.POLICIES) + " | custom:NAME=WHERE,... (docs/remat.md)")
   p.add_argument("--microbatches", type=config_lib.BOUNDS["train.microbatches"],
                  default=t.microbatches, help="gradient accumulation steps; %(type)s")
   p.add_argument("--strategy", default="fsdp", action=Given,

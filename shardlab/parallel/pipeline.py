@@ -106,7 +106,7 @@ def check_combination(n_stages: int, *, remat: str = "none", offload: str = "non
   where = f"a pipeline (stage {n_stages}: `layers` split over the `stage` mesh axis)"
   off = ("turn the pipeline off (a mesh without a `stage` axis above 1, or "
          "rules.params.layers=none and rules.activations.layers=none)")
-  policy = remat_lib.POLICIES.get(remat)
+  policy = remat_lib.policy(remat)
   if policy is not None and policy.on_host:  # XLA:CPU aborts compiling the loop's transfers
     kept = [k for k, p in remat_lib.POLICIES.items()
             if k != "full" and (p is None or not p.on_host)]

@@ -9,6 +9,7 @@ the model that owns the stack (a bundled model gets train.remat and train.scan_u
 is built), so the same module steps the same way inside a train step and outside one.
 """
 
+import functools
 from typing import Callable
 
 import jax
@@ -17,7 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
 from shardlab import remat as remat_lib
-from shardlab.errors import ConfigError, unknown
+from shardlab.errors import ConfigError
 from shardlab.remat import LAYER_INPUT
 import shardlab.parallel.accumulate as accumulate
 import shardlab.parallel.context as context
@@ -25,9 +26,18 @@ import shardlab.parallel.pipeline as pipeline
 from shardlab.sharding.activations import pipeline_schedule, step_context
 
 # train.remat -> the policy jax.checkpoint takes (None: no jax.checkpoint at all); each is
-# described in shardlab/remat.py.
+# described in shardlab/remat.py. A custom spec gets its own (jax_policy).
 REMAT_POLICIES = {k: None if p is None else p.jax_policy()
                   for k, p in remat_lib.POLICIES.items()}
+
+
+@functools.cache
+def jax_policy(remat: str):
+  """The policy jax.checkpoint takes for a train.remat value, listed or custom (one object
+  per value, so that tracing the same step twice sees the same policy)."""
+  if remat in REMAT_POLICIES:
+    return REMAT_POLICIES[remat]
+  return remat_lib.policy(remat).jax_policy()
 
 # call(layer, x, args, slice) -> (x, new slice, stats or None)
 Call = Callable[[nnx.Module, jax.Array, tuple, object], tuple]
@@ -47,8 +57,7 @@ def scan(layers: nnx.Module, x, args: tuple, call: Call, remat: str = "none",
   lead with the layer dim, e.g. a KV cache; None without one), it returns x, the new slice
   and a dict of scalars to add to `stats` (None when `stats` is None). `unroll`: layers per
   iteration of the lax.scan (train.scan_unroll; the layer count unrolls it whole)."""
-  if remat not in REMAT_POLICIES:
-    raise unknown("train.remat", remat, REMAT_POLICIES)
+  remat_lib.policy(remat)  # a listed policy or a custom spec, else refused naming them
   if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
     raise ConfigError(f"the layer scan's unroll (train.scan_unroll) must be an int >= 1, "
                       f"got {unroll!r}")
@@ -80,7 +89,7 @@ def scan(layers: nnx.Module, x, args: tuple, call: Call, remat: str = "none",
                                accumulators, registry.grad_dtype, unroll)
     return x, None, totals
   if remat != "none":
-    body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    body = jax.checkpoint(body, policy=jax_policy(remat), prevent_cse=False)
   (x, totals), out = jax.lax.scan(body, (x, zeros), (stacked, per_layer), unroll=unroll)
   return x, out, totals
 
@@ -101,5 +110,5 @@ def _pipelined(graphdef, stacked, x, args, call: Call, remat: str, where, stats)
     return call(nnx.merge(graphdef, layer_state), h, layer_args, None)[0]
 
   if remat != "none":
-    stage_layer = jax.checkpoint(stage_layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    stage_layer = jax.checkpoint(stage_layer, policy=jax_policy(remat), prevent_cse=False)
   return pipeline.run(stage_layer, stacked, x, args, where, *pipeline_schedule())

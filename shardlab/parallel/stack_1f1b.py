@@ -25,7 +25,7 @@ from flax import nnx
 import shardlab.parallel.context as context
 import shardlab.parallel.pipeline as pipeline
 import shardlab.parallel.schedule_1f1b as schedule_1f1b
-from shardlab.parallel.scan import REMAT_POLICIES, scan
+from shardlab.parallel.scan import jax_policy, scan
 from shardlab.sharding.activations import step_context
 
 # head_loss(head, y_bxLxD, targets_b) -> the mean loss of those rows: `head` is what the
@@ -75,7 +75,7 @@ def pipeline_1f1b_loss(layers: nnx.Module, x_BxLxD, head, head_loss: HeadLoss, t
     return call(nnx.merge(graphdef, layer_params), h, *layer_args)
 
   if remat != "none":
-    layer_fn = jax.checkpoint(layer_fn, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    layer_fn = jax.checkpoint(layer_fn, policy=jax_policy(remat), prevent_cse=False)
 
   def stage_fn(params, h, *stage_args):  # this stage's K layers, in order
     return jax.lax.scan(lambda c, p: (layer_fn(c, p, stage_args), None), h, params,

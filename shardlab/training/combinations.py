@@ -19,6 +19,7 @@ training/checks.py), which checks it again where it runs, so a rule has one mess
 import dataclasses
 import types
 
+from shardlab import remat as remat_lib
 from shardlab.config import Config
 from shardlab.errors import ConfigError
 from shardlab.models import protocol
@@ -41,9 +42,10 @@ class Review:
 def check_model_settings(cfg: Config) -> None:
   """The model offers train.remat, and (under LoRA) every one of lora.targets."""
   model = cfg.model
-  if cfg.train.remat not in model.remat_policies:
+  if not remat_lib.offered(cfg.train.remat, model.remat_policies):
     raise ConfigError(f"train.remat {cfg.train.remat!r} is not offered by model "
-                      f"{model.name}; valid: {', '.join(model.remat_policies)}")
+                      f"{model.name}; valid: {', '.join(model.remat_policies)}"
+                      + _custom_needs(cfg.train.remat))
   if not cfg.lora.rank:
     return
   offered = model.lora_targets
@@ -55,6 +57,15 @@ def check_model_settings(cfg: Config) -> None:
   if wrong:
     raise ConfigError(f"lora.targets {', '.join(wrong)} not offered by model "
                       f"{model.name}; valid: {', '.join(offered)}")
+
+
+def _custom_needs(remat: str) -> str:
+  """For a custom policy the model refuses: which of its listed policies it would need."""
+  if remat in remat_lib.POLICIES:
+    return ""
+  return (" (a custom policy runs where the listed policies it builds on do: naming "
+          "projections needs the named ones, such as save-qkv-proj; offloading layer_input "
+          "needs offload)")
 
 
 def _check_context(cfg: Config, rules: rules_lib.Rules, mesh) -> None:

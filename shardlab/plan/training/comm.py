@@ -188,7 +188,7 @@ def context_transfers(m, a: ActivationShapes, rules: rules_lib.Rules, mesh, p: i
   if c == 1 or not axes:
     return []
   kv, meta = 2 * a.kv * p, 2 * a.positions * 4
-  forwards = 2 if remat in remat_lib.RECOMPUTE_ALL else 1
+  forwards = 2 if remat_lib.recomputes_all(remat) else 1
   per = m.n_layers * microbatches
   if a.ring:
     out = [Transfer("collective-permute",
@@ -217,7 +217,7 @@ def activation_transfers(m, a: ActivationShapes, rules: rules_lib.Rules, mesh,
   # Forward: after o-proj and down-proj. Backward: XLA reduces each projection's input
   # gradient on its own (q, k, v; gate, up) rather than summing them first. Full remat
   # repeats the o-proj one (the layer's output itself is not needed again).
-  per_layer = 2 + 5 + (1 if remat in remat_lib.RECOMPUTE_ALL else 0)
+  per_layer = 2 + 5 + (1 if remat_lib.recomputes_all(remat) else 0)
   runs = m.n_layers * microbatches if layer_runs is None else layer_runs
   vocab = _live(rules.activations.get("vocab"), mesh)
   sequence = tuple(x for x in _live(rules.activations.get("residual_length"), mesh)
@@ -225,7 +225,7 @@ def activation_transfers(m, a: ActivationShapes, rules: rules_lib.Rules, mesh,
   if sequence:
     return out + sequence_transfers(a, (tensor, sequence, vocab), p, runs, per_layer,
                                     microbatches, reduce_scatter,
-                                    remat in remat_lib.RECOMPUTE_ALL,
+                                    remat_lib.recomputes_all(remat),
                                     m.vocab_size * m.d_model)
   out += [Transfer("all-reduce", runs * per_layer * a.d * p, tensor,
                   "attention/MLP outputs and input grads")]

@@ -36,7 +36,8 @@ STRATEGIES = tuple(rules_lib.STRATEGIES)
 # The layer scan's remat policies (parallel.REMAT_POLICIES), each modelled: the residuals
 # kept on the device (memory.layer_saved_bytes), those kept in host memory
 # (memory.offloaded_activation_bytes: Memory.host, and the host-transfer time), and the
-# forward work the backward pass runs again (recompute.hardware_flops_per_token, step_time).
+# forward work the backward pass runs again (recompute.hardware_flops_per_token, step_time);
+# a custom policy (remat.policy) is modelled by the same terms.
 REMAT_POLICIES = tuple(remat_lib.POLICIES)
 
 
@@ -195,9 +196,7 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
 
 
 def _modelled(train: config_lib.TrainConfig) -> config_lib.TrainConfig:
-  if train.remat not in REMAT_POLICIES:
-    raise ConfigError(f"train.remat {train.remat!r} is not modelled by the planner; it models "
-                      f"{', '.join(REMAT_POLICIES)}")
+  remat_lib.policy(train.remat)  # refuses what is neither listed nor a custom spec
   return train
 
 
@@ -273,7 +272,7 @@ def _hbm_traffic(memory: plan_memory.Memory, a, model, train, p: int) -> float:
   again where remat reruns the forward) per microbatch, saved activations written and read,
   logits, and the optimizer's read-modify-write of params, grads and state."""
   weights = memory.params + memory.gathered
-  again = train.remat in remat_lib.RECOMPUTE_ALL  # offload's forward runs again too
+  again = remat_lib.recomputes_all(train.remat)  # offload's forward runs again too
   reads = (3 + (1 if again else 0)) * weights * train.microbatches
   acts = 2 * (memory.activations + a.logits * 4 * 2) * train.microbatches
   update = 2 * (memory.state + memory.grads)

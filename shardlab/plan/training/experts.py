@@ -82,7 +82,7 @@ def _dispatch(model, rules, mesh_shape: dict, global_batch: int, seq_len: int,
   ep = _factor(entry, mesh_shape)
   tokens = global_batch * seq_len / math.prod(mesh_shape.get(a, 1) for a in rules.token_axes)
   rows = tokens * activations.expert_rows_per_token(model, tokens, ep)
-  passes = 6 if remat in remat_lib.RECOMPUTE_ALL else 4
+  passes = 6 if remat_lib.recomputes_all(remat) else 4
   moved = 0.0 if ep == 1 else passes * model.n_layers * rows * model.d_model * act_bytes
   return ep, axes, moved
 

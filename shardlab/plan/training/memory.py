@@ -91,7 +91,7 @@ def layer_saved_bytes(a: ActivationShapes, p: int, remat: str, m) -> float:
     attention's einsums are recomputed. What a policy offloads is
     `offloaded_activation_bytes`.
   """
-  policy = remat_lib.POLICIES[remat]
+  policy = remat_lib.policy(remat)
   if policy is None:
     return sum(_saved_by_shape(a, p, m).values())
   kept = recompute.matmul_output_bytes(a, p, m) if policy.dots == "device" else 0.0
@@ -151,7 +151,7 @@ def scan_step_layers(m) -> int:
 def _carry(a: ActivationShapes, p: int, remat: str) -> float:
   """The scan carry (a step's input) that a remat policy keeps on the device (every one but
   offload, which keeps it in host memory)."""
-  policy = remat_lib.POLICIES[remat]
+  policy = remat_lib.policy(remat)
   on_device = policy is not None and remat_lib.LAYER_INPUT not in policy.offloaded
   return a.residual * p if on_device else 0.0
 
@@ -187,7 +187,7 @@ def offloaded_activation_bytes(m, a: ActivationShapes, p: int, remat: str) -> fl
   """Host bytes per device that a remat policy keeps in host memory: offload's every scan
   step's input, qkv-proj-offloaded's projections and minimal-offloaded's matmul outputs
   every layer."""
-  policy = remat_lib.POLICIES[remat]
+  policy = remat_lib.policy(remat)
   if policy is None or not policy.on_host:
     return 0.0
   steps = math.ceil(m.n_layers / scan_step_layers(m))

@@ -34,7 +34,7 @@ def hardware_flops_per_token(m, seq_len: int, remat: str) -> float:
   (2·N_layer), save-matmul-outputs none of them, a named policy those whose outputs it does
   not keep."""
   flops = m.flops_per_token(seq_len)
-  policy = remat_lib.POLICIES[remat]
+  policy = remat_lib.policy(remat)
   if policy is None:
     return flops
   flops += 4 * m.n_layers * m.n_heads * m.head_dim * seq_len
