@@ -81,7 +81,9 @@ def test_presets_plan_with_the_attention_the_target_runs(target):
   flash = plan(dataclasses.replace(preset, attention="flash"), target)
   dense = plan(dataclasses.replace(preset, attention="xla"), target)
   assert planned.memory == flash.memory and planned.step_s == flash.step_s
-  assert planned.memory.activations < 0.75 * dense.memory.activations  # no L×L scores
+  # No L×L scores: on a TPU flash's peak is then the loss stage's (XLA:TPU holds the fp32
+  # logits through its backward, memory.loss_transients), 0.78 of plain attention's here.
+  assert planned.memory.activations < 0.8 * dense.memory.activations
   assert planned.kernel_flops > 0 and dense.kernel_flops == 0  # one fused kernel there
   on_cpu = plan("llama2-7b", target, backend="cpu")
   assert on_cpu.memory == plan(dataclasses.replace(preset, attention="xla"), target,

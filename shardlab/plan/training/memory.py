@@ -196,12 +196,26 @@ def offloaded_activation_bytes(m, a: ActivationShapes, p: int, remat: str) -> fl
   return inputs + m.n_layers * (per_layer + recompute.projection_bytes(a, p, m, policy.offloaded))
 
 
-def loss_transients(a: ActivationShapes, p: int, fp32_logits: int = 1) -> tuple[float, float]:
+def loss_transients(a: ActivationShapes, p: int, fp32_logits: int = 1,
+                    chunk_fraction: float = 1.0, platform: str = "cpu") -> tuple[float, float]:
   """The loss stage (models/lm.py's fused cross-entropy): forward, the fp32 logits beside
   the softmax it keeps (compute dtype); backward, that softmax turned in place into the
   logits' gradient, with the final norm's buffers. `fp32_logits`: more fp32 copies held
-  at once (a soft-capped loss's capped logits on XLA:CPU, `loss_fp32_logits`)."""
-  return a.logits * (4 * fp32_logits + p), a.logits * p + a.d * (8 + p)
+  at once (a soft-capped loss's capped logits on XLA:CPU, `loss_fp32_logits`).
+  `chunk_fraction`: train.loss_chunk over the sequence, where the loss runs a chunk of
+  positions at a time (parallel/loss.py): one chunk's logits live at once, and its backward
+  computes the chunk's forward again, so it holds the forward's buffers too.
+  XLA:TPU holds the fp32 logits alone, through the backward as well (no separate softmax:
+  llama3-8b at 4 × 8192 tokens a v6e chip, whole and in 2048-position chunks, held one fp32
+  B×C×V buffer at its peak; bench/plan_tpu.py's Llama 3.1 recipe)."""
+  logits = a.logits * chunk_fraction
+  norm = a.d * (8 + p)
+  if platform == "tpu":
+    return logits * 4, logits * 4 + norm
+  if chunk_fraction < 1:
+    forward = logits * (4 * fp32_logits + p)
+    return forward, forward + logits * p + norm
+  return logits * (4 * fp32_logits + p), logits * p + norm
 
 
 def activation_memory(m, t: TrainConfig, p: int, table: dict, mesh,
@@ -223,7 +237,8 @@ def activation_memory(m, t: TrainConfig, p: int, table: dict, mesh,
   # The TPU compiler fuses a logit soft-cap into the softmax's reductions (gemma2-9b on a
   # v5e-256: one fp32 B×L×V less than XLA:CPU holds; tests/test_plan_families.py).
   copies = protocol.get(m, "loss_fp32_logits") if platform == "cpu" else 1
-  loss_forward, loss_backward = loss_transients(a, p, copies)
+  chunk = t.loss_chunk / t.seq_len if t.loss_chunk else 1.0
+  loss_forward, loss_backward = loss_transients(a, p, copies, chunk, platform)
   head_grad = a.head * 4 - head_gathered
   layers = layer_backward_transient(a, p, t.remat, m, platform)
   transient = max(loss_forward, loss_backward + head_grad,
