@@ -101,8 +101,11 @@ def test_longest_context_is_the_edge_of_what_fits():
     assert longest_context.fastest_fitting(req, model, acc, 8, r.context,
                                            r.seq_len + unit) is None
   # Every row leaves a device a quarter of a sequence's activations (one sequence over
-  # context × sequence-parallel tensor = 4, or two over 8), so each fits about as long a one.
-  assert max(r.seq_len for r in rows) <= 1.01 * min(r.seq_len for r in rows)
+  # context × sequence-parallel tensor = 4, or two over 8), so each fits about as long a
+  # one: within 15%, since the loss stage's backward holds the B×L×D final-norm buffers
+  # beside the fp32 logits (memory.loss_transients), which the context=1 row's tensor
+  # parallelism does not split (371,712 tokens there, 406,528-424,960 in the others).
+  assert max(r.seq_len for r in rows) <= 1.15 * min(r.seq_len for r in rows)
 
 
 def test_cli_longest_context(capsys):
