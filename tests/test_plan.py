@@ -340,10 +340,12 @@ def test_predicted_step_is_its_parts_at_the_targets_efficiency(capsys):
   assert out["target"]["efficiency_source"].startswith("Narayanan et al. 2021")
   assert plan_cli.plan_main(argv) == 0
   text = capsys.readouterr().out
-  assert (f"{e['mfu']:.1%} predicted (matmuls at 70% of peak on a100-40g: 52% from "
+  assert (f"{e['mfu']:.1%} predicted (matmuls at {e['efficiency']:.0%} of peak on a100-40g: "
+          "52% from "
           "Narayanan et al. 2021" in text and f"roofline ceiling {e['mfu_ceiling']:.1%}" in text)
   for a in hardware.ACCELERATORS.values():  # every figure says where it comes from
-    assert 0.2 < a.efficiency < 0.8 and a.efficiency_source != "assumption"
+    # (HFU: MaxText's v5p run executes 84% of the chip's peak, recompute counted)
+    assert 0.2 < a.efficiency < 0.9 and a.efficiency_source != "assumption"
 
 
 def _png_size(path: Path) -> tuple[int, int]:

@@ -15,7 +15,9 @@ Conventions (so every entry means the same thing):
   ici_domain  how many devices share the fast domain: a GPU node (8), a TPU slice's largest
               single-slice size. Mesh axes beyond it must cross DCN;
   efficiency  the fraction of peak_flops a well-tuned large training run achieves on the FLOPs
-              it executes (published MFU/HFU; `efficiency_source` says whose). A roofline at
+              it executes, recomputed ones included (its HFU: a published HFU, or a published
+              MFU times the run's hardware over model FLOPs under its remat policy, as the
+              planner counts them; `efficiency_source` says whose). A roofline at
               100% of peak is a ceiling no real step reaches. The planner's step model
               (shardlab/plan/training/step_time.py) runs the weight matmuls at
               step_time.MATMUL_OVER_STEP × this (a step's large matmuls run faster than its
@@ -119,24 +121,31 @@ ACCELERATORS = {a.name: a for a in (
     # ICI, 256-chip pods, 8 chips and 2 x 100 Gbps NICs per host (25 Gbps = 3.125 GB/s per
     # chip). The TPU compiler allows 15.75 GiB of the 16 GiB. Efficiency: MaxText's v5e
     # configs (MaxText/configs/v5e/README.md): 56-67% MFU for 16B-128B models on one
-    # v5e-256 (59.9% at 64B), 46-64% on 32 of them.
+    # v5e-256 (59.9% at 64B), 46-64% on 32 of them; under full remat (its 16B-64B configs)
+    # the forward runs twice, 8 FLOPs a parameter a token where MFU counts 6: 80% HFU.
     Accelerator("tpu-v5e", 197e12, 16 * GiB, 819 * GB, 200 * GB, 3.125 * GB, 256, 0.25 * GiB,
-                "tpu", "v5e", efficiency=0.60,
-                efficiency_source="MaxText v5e configs: 56-67% MFU, 16B-128B on a v5e-256"),
+                "tpu", "v5e", efficiency=0.80,
+                efficiency_source="MaxText v5e configs: 59.9% MFU at 64B on a v5e-256 under "
+                "full remat = 80% HFU"),
     # Cloud TPU v5p docs: 459 TFLOP/s bf16, 95 GiB HBM2e at 2,765 GB/s, 1,200 GB/s
     # bidirectional ICI, DCN 50 Gbps per chip, single slices up to 6,144 chips. Efficiency:
     # MaxText's model tiering (docs/reference/models/tiering.md): Llama 2 70B, 65.4% MFU on
-    # 512 chips (its v5p configs README: 64-71% for 32B-1.16T models).
+    # 512 chips (its v5p configs README: 64-71% for 32B-1.16T models), under
+    # save_dot_except_mlpwi, which recomputes the MLP's and attention's forward: 1.278× the
+    # model FLOPs as the planner counts them (plan/training/recompute.py), 84% HFU.
     Accelerator("tpu-v5p", 459e12, 95 * GiB, 2765 * GB, 600 * GB, 6.25 * GB, 6144, 0.25 * GiB,
-                "tpu", "v5p", efficiency=0.65,
-                efficiency_source="MaxText tiering: Llama 2 70B, 65.4% MFU on 512 chips"),
+                "tpu", "v5p", efficiency=0.84,
+                efficiency_source="MaxText tiering: Llama 2 70B, 65.4% MFU on 512 chips under "
+                "save_dot_except_mlpwi = 84% HFU"),
     # Cloud TPU v6e (Trillium) docs: 918 TFLOP/s bf16, 32 GB HBM at 1,638 GB/s, 800 GB/s
     # bidirectional ICI, 256-chip pods, 8 chips per host; 4 x 200 Gbps NICs per host
     # (100 Gbps = 12.5 GB/s per chip). Efficiency: MaxText's model tiering: Llama 2 70B,
-    # 43.8% MFU on 256 chips (Llama 3.1 8B 45.5%, 70B 50.3%).
+    # 43.8% MFU on 256 chips (Llama 3.1 8B 45.5%, 70B 50.3%), under full remat: 1.332× the
+    # model FLOPs as the planner counts them, 58% HFU.
     Accelerator("tpu-v6e", 918e12, 32 * GiB, 1638 * GB, 400 * GB, 12.5 * GB, 256, 0.25 * GiB,
-                "tpu", "v6e", efficiency=0.44,
-                efficiency_source="MaxText tiering: Llama 2 70B, 43.8% MFU on 256 chips"),
+                "tpu", "v6e", efficiency=0.58,
+                efficiency_source="MaxText tiering: Llama 2 70B, 43.8% MFU on 256 chips under "
+                "full remat = 58% HFU"),
 )}
 
 

@@ -14,6 +14,8 @@ token ÷ B·s (its equation 3 per token).
 
 import dataclasses
 
+from shardlab import remat as remat_lib
+
 MEGATRON = ("Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU "
             "Clusters Using Megatron-LM, Table 1 (https://arxiv.org/abs/2104.04473)")
 TORCHTITAN_A100 = ("torchtitan docs/performance.md, Llama 3 / Llama 2 on 64 A100 80GB, FSDP2 "
@@ -26,6 +28,18 @@ MAXTEXT_V6E = ("MaxText docs/reference/models/tiering.md (v6e Gold: Llama 2 70B,
                "SL=4096, ~900 tokens/s/device); settings: benchmarks/"
                "maxtext_trillium_model_configs.py llama2_70b_4096 (per_device_batch_size 4, "
                "fsdp 256, remat full, flash) (https://github.com/AI-Hypercomputer/maxtext)")
+
+MAXTEXT_V6E_LLAMA31 = (
+    "MaxText docs/reference/models/tiering.md (v6e Gold: Llama 3.1 8B, 256 chips, SL=8192, "
+    "7,207 tokens/s/device; Llama 3.1 70B, 256 chips, SL=8192, 960); settings: benchmarks/"
+    "maxtext_trillium_model_configs.py llama3_1_8b_8192 (per_device_batch_size 4) and "
+    "llama3_1_70b_8192 (5): fsdp 256, remat custom (decoder input and q/k/v projections "
+    "offloaded, and out_proj for 8B), flash (https://github.com/AI-Hypercomputer/maxtext)")
+MAXTEXT_V5P = ("MaxText docs/reference/models/tiering.md (v5p Gold: Llama 2 70B, 512 chips, "
+               "SL=4096, 692 tokens/s/device); settings: benchmarks/maxtext_v5p_model_configs"
+               ".py llama2_70b_v5p_128 (per_device_batch_size 4, fsdp, remat "
+               "save_dot_except_mlpwi) (https://github.com/AI-Hypercomputer/maxtext)")
+_QKV = ("query_proj", "key_proj", "value_proj")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +99,17 @@ RUNS = (
            TORCHTITAN_H100),
     Run("maxtext-llama2-70b-v6e", "llama2-70b", "tpu-v6e", "fsdp", {"fsdp": 256}, 1024, 4096,
         "full", 900, MAXTEXT_V6E, fitted=True),
+    # Added later, listed before any prediction for them was computed: the rest of MaxText's
+    # Gold tier for dense models (its Silver 405B row runs on two slices, 512 chips, where
+    # the table says 256; its Mixtral rows drop tokens at a capacity factor). The Llama 3.1
+    # rows run the llama3 presets (3.1's RoPE scaling changes only rotation frequencies).
+    Run("maxtext-llama3.1-8b-v6e", "llama3-8b", "tpu-v6e", "fsdp", {"fsdp": 256}, 1024, 8192,
+        remat_lib.custom(offloaded=(remat_lib.LAYER_INPUT, *_QKV, "out_proj")), 7207,
+        MAXTEXT_V6E_LLAMA31),
+    Run("maxtext-llama3.1-70b-v6e", "llama3-70b", "tpu-v6e", "fsdp", {"fsdp": 256}, 1280, 8192,
+        remat_lib.custom(offloaded=(remat_lib.LAYER_INPUT, *_QKV)), 960, MAXTEXT_V6E_LLAMA31),
+    Run("maxtext-llama2-70b-v5p", "llama2-70b", "tpu-v5p", "fsdp", {"fsdp": 512}, 2048, 4096,
+        "save-dot-except-mlpwi", 692, MAXTEXT_V5P, fitted=True),
 )
 
 
