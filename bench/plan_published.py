@@ -28,8 +28,8 @@ def main():
         sources.append(r.source)
       x = predicted / r.tokens_per_s
       worst = max(worst, abs(x - 1))
-      print(f"{r.name:{w_run}s} {r.target:{w_target}s} {predicted:9.0f} {r.tokens_per_s:9.0f} {x:6.2f}  "
-            f"[{sources.index(r.source) + 1}]")
+      print(f"{r.name:{w_run}s} {r.target:{w_target}s} {predicted:9.0f} "
+            f"{r.tokens_per_s:9.0f} {x:6.2f}  [{sources.index(r.source) + 1}]")
     print(f"worst |ratio - 1|: {worst:.1%}\n")
   for i, s in enumerate(sources):
     print(f"[{i + 1}] {s}")

@@ -39,7 +39,6 @@ MAXTEXT_V5P = ("MaxText docs/reference/models/tiering.md (v5p Gold: Llama 2 70B,
                "SL=4096, 692 tokens/s/device); settings: benchmarks/maxtext_v5p_model_configs"
                ".py llama2_70b_v5p_128 (per_device_batch_size 4, fsdp, remat "
                "save_dot_except_mlpwi) (https://github.com/AI-Hypercomputer/maxtext)")
-_QKV = ("query_proj", "key_proj", "value_proj")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,10 +103,11 @@ RUNS = (
     # the table says 256; its Mixtral rows drop tokens at a capacity factor). The Llama 3.1
     # rows run the llama3 presets (3.1's RoPE scaling changes only rotation frequencies).
     Run("maxtext-llama3.1-8b-v6e", "llama3-8b", "tpu-v6e", "fsdp", {"fsdp": 256}, 1024, 8192,
-        remat_lib.custom(offloaded=(remat_lib.LAYER_INPUT, *_QKV, "out_proj")), 7207,
-        MAXTEXT_V6E_LLAMA31),
+        remat_lib.custom(offloaded=(remat_lib.LAYER_INPUT, *remat_lib.QKV, "out_proj")),
+        7207, MAXTEXT_V6E_LLAMA31),
     Run("maxtext-llama3.1-70b-v6e", "llama3-70b", "tpu-v6e", "fsdp", {"fsdp": 256}, 1280, 8192,
-        remat_lib.custom(offloaded=(remat_lib.LAYER_INPUT, *_QKV)), 960, MAXTEXT_V6E_LLAMA31),
+        remat_lib.custom(offloaded=(remat_lib.LAYER_INPUT, *remat_lib.QKV)), 960,
+        MAXTEXT_V6E_LLAMA31),
     Run("maxtext-llama2-70b-v5p", "llama2-70b", "tpu-v5p", "fsdp", {"fsdp": 512}, 2048, 4096,
         "save-dot-except-mlpwi", 692, MAXTEXT_V5P, fitted=True),
 )
