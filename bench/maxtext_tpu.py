@@ -39,14 +39,17 @@ def _train_step_hlo(dump: Path) -> str:
 _OURS = ("TPU_", "JAX_", "XLA_", "LIBTPU", "ALLOW_MULTIPLE_LIBTPU_LOAD")
 
 
-def compile_recipe(topology: str, keys: list[str]) -> dict:
+def compile_recipe(topology: str, keys: list[str], libtpu_flags=()) -> dict:
   """MaxText's train_compile for `topology` ("v5e-256") with its config `keys`
-  ("model_name=llama2-7b", ...): per-chip bytes (device and host), estimated cycles and
-  compile seconds."""
+  ("model_name=llama2-7b", ...) and the recipe's TPU compiler flags (its `xla_flags`, which
+  MaxText's launcher puts in LIBTPU_INIT_ARGS): per-chip bytes (device and host), estimated
+  cycles and compile seconds."""
   with tempfile.TemporaryDirectory() as tmp:
     dump = Path(tmp) / "xla"
     env = {k: v for k, v in os.environ.items() if not k.startswith(_OURS)}
     env["XLA_FLAGS"] = f"--xla_dump_to={dump}"
+    if libtpu_flags:
+      env["LIBTPU_INIT_ARGS"] = " ".join(libtpu_flags)
     start = time.perf_counter()
     done = subprocess.run(["bash", str(RUN_SH), "compile-tpu", f"compile_topology={topology}",
                            *keys], capture_output=True, text=True, env=env)

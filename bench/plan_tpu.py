@@ -40,7 +40,7 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shardlab import config  # noqa: E402
+from shardlab import config, remat  # noqa: E402
 from shardlab.models import registry  # noqa: E402
 from shardlab.observe import hlo_cycles  # noqa: E402
 from shardlab.plan.compiled import aot  # noqa: E402
@@ -65,6 +65,13 @@ class Recipe:
   reference_gib: float | None = None  # a figure from another day, for orientation only
   reference_s: float | None = None
   source: str = ""  # where the recipe is published
+  maxtext_model: str | None = None  # MaxText's model_name where it is not `model`
+  # The recipe's TPU compiler flags (its xla_flags): MaxText's compile gets them as its
+  # launcher passes them (LIBTPU_INIT_ARGS), shardlab's as compiler options of its compile.
+  # Its splash kernel's 2048-wide blocks need the larger scoped VMEM to compile at all.
+  libtpu_flags: tuple[str, ...] = ()
+  # shardlab's own settings for the recipe (config KEY=VALUE, before any --set).
+  settings: tuple[str, ...] = ()
 
 
 # Our setups: FSDP over every chip, full remat, plain attention (the reference's defaults).
@@ -83,6 +90,46 @@ CONFIGS = {
 _V5P = "benchmarks/maxtext_v5p_model_configs.py"
 _V6E = "benchmarks/maxtext_trillium_model_configs.py"
 _SPLASH_BLOCKS = ("sa_block_q=1024", "sa_block_q_dkv=2048", "sa_block_q_dq=2048")
+# The Llama 3.1 recipes' splash kernel: 2048-wide blocks everywhere, the fused backward.
+_SPLASH_2048 = (*(f"sa_block_{b}=2048" for b in ("q", "kv", "kv_compute", "q_dkv", "kv_dkv",
+                                                  "kv_dkv_compute", "q_dq", "kv_dq")),
+                "sa_use_fused_bwd_kernel=True")
+_QKV_OFFLOADED = ("query_proj", "key_proj", "value_proj")
+# The Llama 3.1 recipes' xla_flags (benchmarks/xla_flags_library.py): DENSE_VMEM_LIMIT_FLAG
+# and HOST_OFFLOAD_FLAGS; the 8B's also LAYOUT_FOR_ALL_REDUCE_SCATTER and
+# DATA_PARALLEL_OVERLAP. Left out: CF_FOR_ALL_GATHER (libtpu 0.0.50 refuses continuation
+# fusion on a compile-only v6e: "not supported/recommended on platforms other than TPU
+# v5e") and the 8B's SparseCore all-reduce offloading (a compile-only topology has none).
+_LLAMA31_FLAGS = (
+    "--xla_tpu_scoped_vmem_limit_kib=98304",
+    "--xla_tpu_enable_all_experimental_scheduler_features=true",
+    "--xla_tpu_enable_scheduler_memory_pressure_tracking=true",
+    "--xla_tpu_host_transfer_overlap_limit=24",
+    "--xla_tpu_aggressive_opt_barrier_removal=ENABLED",
+    "--xla_lhs_prioritize_async_depth_over_stall=ENABLED",
+    "--xla_tpu_enable_ag_backward_pipelining=true",
+    "--xla_should_allow_loop_variant_parameter_in_chain=ENABLED",
+    "--xla_should_add_loop_invariant_op_in_chain=ENABLED",
+    "--xla_max_concurrent_host_send_recv=100",
+    "--xla_tpu_scheduler_percent_shared_memory_limit=100",
+    "--xla_latency_hiding_scheduler_rerun=2")
+_LLAMA31_8B_FLAGS = (*_LLAMA31_FLAGS, "--xla_tpu_use_minor_sharding_for_major_trivial_input=true",
+                     "--xla_tpu_relayout_group_size_threshold_for_reduce_scatter=1",
+                     "--xla_tpu_assign_all_reduce_scatter_layout=true",
+                     "--xla_tpu_enable_data_parallel_all_reduce_opt=true",
+                     "--xla_tpu_data_parallel_opt_different_sized_ops=true")
+
+
+def _custom(offloaded: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
+  """(shardlab's train.remat, MaxText's keys) for MaxText's `custom` policy that offloads
+  the decoder layer's input and `offloaded` projections and recomputes the rest."""
+  ours = remat.custom(offloaded=(remat.LAYER_INPUT, *offloaded))
+  return ours, ("remat_policy=custom", "decoder_layer_input=offload",
+                *(f"{n}=offload" for n in offloaded))
+
+
+_LLAMA31_8B = _custom((*_QKV_OFFLOADED, "out_proj"))
+_LLAMA31_70B = _custom(_QKV_OFFLOADED)
 RECIPES = {
     "llama2_7b_v5p_128/v5p-128": Recipe(
         "llama2-7b", "tpu-v5p", 64, 4, 4096, "save-matmul-outputs", "flash",
@@ -100,6 +147,21 @@ RECIPES = {
         ("remat_policy=qkv_proj_offloaded", "ici_fsdp_parallelism=1",
          "ici_fsdp_transpose_parallelism=-1", "use_iota_embed=True", *_SPLASH_BLOCKS),
         source=_V6E),
+    # Llama 3.1 (the llama3 presets: the same shapes; 3.1's RoPE scaling changes only the
+    # rotation frequencies) at 8192 tokens, MaxText's custom policy offloading the decoder
+    # input and projections. MaxText's logits are bf16, shardlab's fp32: shardlab runs its
+    # loss in 2048-position chunks (the whole 4-5 × 8192 × 128,256 fp32 logits are 16-20
+    # GiB of a 32 GiB chip).
+    "llama3_1-8b-8192/v6e-256": Recipe(
+        "llama3-8b", "tpu-v6e", 256, 4, 8192, _LLAMA31_8B[0], "flash",
+        (*_LLAMA31_8B[1], "use_iota_embed=True", *_SPLASH_2048),
+        source=_V6E, maxtext_model="llama3.1-8b", libtpu_flags=_LLAMA31_8B_FLAGS,
+        settings=("train.loss_chunk=2048",)),
+    "llama3_1-70b-8192/v6e-256": Recipe(
+        "llama3-70b", "tpu-v6e", 256, 5, 8192, _LLAMA31_70B[0], "flash",
+        (*_LLAMA31_70B[1], "use_iota_embed=True", *_SPLASH_2048),
+        source=_V6E, maxtext_model="llama3.1-70b", libtpu_flags=_LLAMA31_FLAGS,
+        settings=("train.loss_chunk=2048",)),
 }
 ALL = CONFIGS | RECIPES
 
@@ -120,18 +182,22 @@ def run(name: str, per_chip: int | None = None, overrides=(), dump: Path | None 
                         seq_len=r.seq_len, remat=r.remat, strategy="fsdp", devices=r.chips,
                         target=r.target)
   spec = plan_compile._spec(req)
-  cfg = config.apply_overrides(plan_compile.run_config(req, spec), list(overrides))
+  cfg = config.apply_overrides(plan_compile.run_config(req, spec),
+                               [*r.settings, *overrides])
   acc = plan.hardware.get(r.target)
   # `--set model.*` and `train.*` (microbatches, remat, ...) reach the planner too.
   est = plan.estimate(dataclasses.replace(req, train=cfg.train), cfg.model, acc, spec)
   cpu0 = time.process_time()
   report = aot.compile_on_tpu(cfg, acc.topology, r.chips,
-                              dump=dump / name.replace("/", "_") if dump else None)
+                              dump=dump / name.replace("/", "_") if dump else None,
+                              options=dict(f.removeprefix("--").split("=", 1)
+                                           for f in r.libtpu_flags))
   cpu_s = time.process_time() - cpu0
   cmp = plan_compile.compare(report, est)
   return {
       "config": name, "per_chip": per_chip, "seq_len": r.seq_len, "remat": r.remat,
-      "attention": attention, "overrides": list(overrides), "where": report.where,
+      "attention": attention, "overrides": [*r.settings, *overrides],
+      "where": report.where,
       "compiled_gib": report.total_bytes / GiB, "host_gib": report.host_bytes / GiB,
       "analytic_gib": est.memory.total / GiB, "analytic_host_gib": est.memory.host / GiB,
       "ratio_total": cmp["ratio"]["total"],
@@ -147,7 +213,8 @@ def run(name: str, per_chip: int | None = None, overrides=(), dump: Path | None 
 def maxtext_keys(name: str, per_chip: int | None, overrides) -> list[str]:
   """MaxText's config keys for `name` and the `--set` keys it has an equivalent of."""
   r = ALL[name]
-  keys = [f"model_name={r.model}", f"per_device_batch_size={per_chip or r.per_chip}",
+  keys = [f"model_name={r.maxtext_model or r.model}",
+          f"per_device_batch_size={per_chip or r.per_chip}",
           f"max_target_length={r.seq_len}", *r.maxtext]
   attention = _attention(r, overrides)
   keys.append(f"attention={'flash' if attention == 'flash' else 'dot_product'}")
@@ -165,7 +232,8 @@ def with_maxtext(r: dict, name: str, per_chip: int | None, overrides) -> dict:
   """`r` with MaxText's compile of the same recipe, and shardlab's ratios to it."""
   import maxtext_tpu
   topology = name.partition("/")[2]
-  theirs = maxtext_tpu.compile_recipe(topology, maxtext_keys(name, per_chip, overrides))
+  theirs = maxtext_tpu.compile_recipe(topology, maxtext_keys(name, per_chip, overrides),
+                                      ALL[name].libtpu_flags)
   chip = ALL[name].target.removeprefix("tpu-")
   r["maxtext"] = {**theirs, "gib": theirs["total_bytes"] / GiB,
                   "host_gib": theirs["host_bytes"] / GiB,
@@ -206,14 +274,16 @@ def _maxtext_line(r: dict) -> str:
 def recipes_table(results: list[dict]) -> str:
   """The --recipes table: each recipe's per-chip memory (device, and host where a policy
   offloads) and compute estimate on both sides."""
-  rows = ["| MaxText recipe | chips | batch × seq a chip | remat (shardlab) | shardlab GiB | "
-          "MaxText GiB | memory × MaxText | compute × MaxText |", "|" + "---|" * 8]
+  rows = ["| MaxText recipe | chips | batch × seq a chip | shardlab's remat (and settings) | "
+          "shardlab GiB | MaxText GiB | memory × MaxText | compute × MaxText |",
+          "|" + "---|" * 8]
   for r in results:
     rec, m = ALL[r["config"]], r["maxtext"]
     host = lambda x: f" + {x:.2f} host" if x else ""  # noqa: E731
     vs = f"{r['compute_vs_maxtext']:.3f}" if r["compute_vs_maxtext"] else "n/a"
     rows.append(f"| {r['config']} | {rec.chips} | {r['per_chip']} × {rec.seq_len} | "
-                f"{rec.remat} | {r['compiled_gib']:.2f}{host(r['host_gib'])} | "
+                f"{' '.join((rec.remat, *rec.settings))} | "
+                f"{r['compiled_gib']:.2f}{host(r['host_gib'])} | "
                 f"{m['gib']:.2f}{host(m['host_gib'])} | {r['memory_vs_maxtext']:.3f} | {vs} |")
   return "\n".join(rows)
 

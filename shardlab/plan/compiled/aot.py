@@ -85,14 +85,16 @@ def tpu_devices(prefix: str, n_chips: int, num_slices: int = 1):
   return topo.devices, name
 
 
-def compile_step(cfg: Config, devices, where: str, dump: str | None = None) -> StepReport:
+def compile_step(cfg: Config, devices, where: str, dump: str | None = None,
+                 options: dict | None = None) -> StepReport:
   """Lowers and compiles the train step over `devices` with abstract, sharded inputs; `dump`:
-  a folder for XLA's dumps (`compile_train_step`)."""
-  compiled, mesh, seconds = compiled_step(cfg, devices, dump)
+  a folder for XLA's dumps (`compile_train_step`); `options`: compiler options for this
+  compile (a TPU recipe's flags, {"xla_tpu_scoped_vmem_limit_kib": "98304"})."""
+  compiled, mesh, seconds = compiled_step(cfg, devices, dump, options)
   return step_report.report(compiled, mesh, where, seconds, flops=True)
 
 
-def compiled_step(cfg: Config, devices, dump: str | None = None):
+def compiled_step(cfg: Config, devices, dump: str | None = None, options: dict | None = None):
   """(the compiled train step of `cfg` over `devices`, its mesh, the compile's seconds): for
   a caller that reads the program itself."""
   if cfg.train.precision == "auto":
@@ -101,7 +103,7 @@ def compiled_step(cfg: Config, devices, dump: str | None = None):
   p = run_lib.place(cfg, devices, offload=True)
   train_step = run_lib.make_steps(cfg, p.abstract, p.shardings)[0]
   compiled, seconds = _compiled(train_step, p.abstract, p.shardings,
-                                run_lib.abstract_batch(cfg, p.shardings), dump)
+                                run_lib.abstract_batch(cfg, p.shardings), dump, options)
   return compiled, p.shardings.mesh, seconds
 
 
@@ -119,14 +121,15 @@ def compile_train_step(train_step, abstract: state_lib.Abstract,
 
 
 def _compiled(train_step, abstract: state_lib.Abstract, shardings: state_lib.Shardings,
-              batch, dump: str | None):
+              batch, dump: str | None, options: dict | None = None):
   state = state_lib.placed(abstract.state, shardings.state)
   batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                       sharding=shardings.batch), batch)
   devices = shardings.mesh.devices.flat
   start = time.perf_counter()
+  extra = (options or {}) | ({"xla_dump_to": str(dump)} if dump else {})
   compiled = compile_only.compile_lowered(train_step.lower(state, batch), devices[0].platform,
-                                          {"xla_dump_to": str(dump)} if dump else None)
+                                          extra or None)
   return compiled, time.perf_counter() - start
 
 
@@ -179,10 +182,10 @@ def _in_subprocess(cfg: Config, n_devices: int, env: dict, *flags: str) -> StepR
 
 
 def compile_on_tpu(cfg: Config, prefix: str, n_chips: int, num_slices: int = 1,
-                   dump: str | None = None) -> StepReport:
+                   dump: str | None = None, options: dict | None = None) -> StepReport:
   devices, name = tpu_devices(prefix, n_chips, num_slices)
   where = f"tpu {name}" + (f" x{num_slices} slices" if num_slices > 1 else "")
-  return compile_step(cfg, devices, where, dump)
+  return compile_step(cfg, devices, where, dump, options)
 
 
 def _strip_device_count(flags: str) -> str:
