@@ -341,8 +341,8 @@ def test_predicted_step_is_its_parts_at_the_targets_efficiency(capsys):
   assert plan_cli.plan_main(argv) == 0
   text = capsys.readouterr().out
   assert (f"{e['mfu']:.1%} predicted (matmuls at {e['efficiency']:.0%} of peak on a100-40g: "
-          "52% from "
-          "Narayanan et al. 2021" in text and f"roofline ceiling {e['mfu_ceiling']:.1%}" in text)
+          "52% from Narayanan et al. 2021" in text and
+          f"roofline ceiling {e['mfu_ceiling']:.1%}" in text)
   for a in hardware.ACCELERATORS.values():  # every figure says where it comes from
     # (HFU: MaxText's v5p run executes 84% of the chip's peak, recompute counted)
     assert 0.2 < a.efficiency < 0.9 and a.efficiency_source != "assumption"

@@ -34,7 +34,6 @@ def test_one_constant_efficiency_misses_the_held_out_half(monkeypatch):
   assert max(abs(x - 1) for x in ratios) > 0.15
 
 
-
 def test_torchtitans_h100_run_is_planned_on_the_gpus_it_ran_on():
   """torchtitan's H100s (500 W, HBM2e) have a peak published only as lying between the H100
   NVL's 835 and the SXM's 989 TFLOP/s; the target takes the midpoint. From the NVL bound up
