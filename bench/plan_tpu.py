@@ -6,8 +6,9 @@ figures and a reference trainer's.
       [--set model.attention=flash ...] [--dump DIR] [--json PATH] [--maxtext] [--recipes]
 
 `--recipes` compiles MaxText's published training recipes (RECIPES: its model tables for
-v5p and v6e, their batch, sequence, remat policy and attention) with both tools, alternating,
-and prints per-chip memory and compute side by side.
+v5p and v6e, their batch, sequence, remat policy, attention and, where a recipe lists them,
+its TPU compiler flags, given to both) with both tools, alternating, and prints per-chip
+memory and compute side by side.
 
 The compute estimate is XLA:TPU's `estimated_cycles` summed over the step with loop trip
 counts (shardlab.observe.hlo_cycles), in seconds at the chip's TensorCore clock. With
@@ -94,7 +95,6 @@ _SPLASH_BLOCKS = ("sa_block_q=1024", "sa_block_q_dkv=2048", "sa_block_q_dq=2048"
 _SPLASH_2048 = (*(f"sa_block_{b}=2048" for b in ("q", "kv", "kv_compute", "q_dkv", "kv_dkv",
                                                   "kv_dkv_compute", "q_dq", "kv_dq")),
                 "sa_use_fused_bwd_kernel=True")
-_QKV_OFFLOADED = ("query_proj", "key_proj", "value_proj")
 # The Llama 3.1 recipes' xla_flags (benchmarks/xla_flags_library.py): DENSE_VMEM_LIMIT_FLAG
 # and HOST_OFFLOAD_FLAGS; the 8B's also LAYOUT_FOR_ALL_REDUCE_SCATTER and
 # DATA_PARALLEL_OVERLAP. Left out: CF_FOR_ALL_GATHER (libtpu 0.0.50 refuses continuation
@@ -128,8 +128,8 @@ def _custom(offloaded: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
                 *(f"{n}=offload" for n in offloaded))
 
 
-_LLAMA31_8B = _custom((*_QKV_OFFLOADED, "out_proj"))
-_LLAMA31_70B = _custom(_QKV_OFFLOADED)
+_LLAMA31_8B = _custom((*remat.QKV, "out_proj"))
+_LLAMA31_70B = _custom(remat.QKV)
 RECIPES = {
     "llama2_7b_v5p_128/v5p-128": Recipe(
         "llama2-7b", "tpu-v5p", 64, 4, 4096, "save-matmul-outputs", "flash",
