@@ -25,19 +25,17 @@ import shardlab.parallel.context as context
 import shardlab.parallel.pipeline as pipeline
 from shardlab.sharding.activations import pipeline_schedule, step_context
 
-# train.remat -> the policy jax.checkpoint takes (None: no jax.checkpoint at all); each is
-# described in shardlab/remat.py. A custom spec gets its own (jax_policy).
-REMAT_POLICIES = {k: None if p is None else p.jax_policy()
-                  for k, p in remat_lib.POLICIES.items()}
-
-
 @functools.cache
 def jax_policy(remat: str):
-  """The policy jax.checkpoint takes for a train.remat value, listed or custom (one object
-  per value, so that tracing the same step twice sees the same policy)."""
-  if remat in REMAT_POLICIES:
-    return REMAT_POLICIES[remat]
-  return remat_lib.policy(remat).jax_policy()
+  """The policy jax.checkpoint takes for a train.remat value, listed or custom (None: no
+  jax.checkpoint at all; one object per value, so that tracing the same step twice sees the
+  same policy). Each is described in shardlab/remat.py."""
+  p = remat_lib.policy(remat)
+  return None if p is None else p.jax_policy()
+
+
+# The listed train.remat values -> their jax.checkpoint policies.
+REMAT_POLICIES = {k: jax_policy(k) for k in remat_lib.POLICIES}
 
 # call(layer, x, args, slice) -> (x, new slice, stats or None)
 Call = Callable[[nnx.Module, jax.Array, tuple, object], tuple]

@@ -212,10 +212,8 @@ def loss_transients(a: ActivationShapes, p: int, fp32_logits: int = 1,
   norm = a.d * (8 + p)
   if platform == "tpu":
     return logits * 4, logits * 4 + norm
-  if chunk_fraction < 1:
-    forward = logits * (4 * fp32_logits + p)
-    return forward, forward + logits * p + norm
-  return logits * (4 * fp32_logits + p), logits * p + norm
+  forward = logits * (4 * fp32_logits + p)
+  return forward, logits * p + norm + (forward if chunk_fraction < 1 else 0.0)
 
 
 def activation_memory(m, t: TrainConfig, p: int, table: dict, mesh,
