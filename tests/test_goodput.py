@@ -27,14 +27,15 @@ STOP = 5  # the first invocation saves at 2, 4 and 5; step 5's is lost, so 5 is 
 
 @pytest.fixture(scope="module")
 def restarted(tmp_path_factory):
-  """(run dir, each invocation's summary, wall time, blocking saves and batches built)."""
+  """(run dir, each invocation's summary, wall time from the call of train() to the close of
+  its goodput record, blocking saves and batches built)."""
   root = tmp_path_factory.mktemp("goodput")
   cfg = config.apply_overrides(config.Config(model=registry.load("tiny"), mesh="data:8",
                                              strategy="dp"), SMALL)
   cfg = config.set_values(cfg, {"run_dir": str(root / "run"),
                                 "checkpoint.dir": str(root / "ckpt")})
   saves, batches = [0, 0], [0, 0]
-  save, host = checkpoint.Checkpointer.save, feed.ByteFeed.host
+  save, host, end = checkpoint.Checkpointer.save, feed.ByteFeed.host, goodput.Ledger.end
 
   def slow_save(self, *args, **kwargs):
     started = save(self, *args, **kwargs)
@@ -48,14 +49,20 @@ def restarted(tmp_path_factory):
     batches[len(walls)] += 1
     return host(self, *args)
 
-  summaries, walls = [], []
+  def timed_end(self, status):
+    summary = end(self, status)
+    ended.append(time.perf_counter())
+    return summary
+
+  summaries, walls, ended = [], [], []
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(checkpoint.Checkpointer, "save", slow_save)
     patch.setattr(feed.ByteFeed, "host", slow_host)
+    patch.setattr(goodput.Ledger, "end", timed_end)
     for stop_after in (STOP, None):
       start = time.perf_counter()
       summaries.append(train.train(cfg, quiet=True, stop_after=stop_after))
-      walls.append(time.perf_counter() - start)
+      walls.append(ended[-1] - start)
       # As if the process had died before step 5's save was written: resume from step 4.
       shutil.rmtree(root / "ckpt" / str(STOP), ignore_errors=True)
   return root / "run", summaries, walls, saves, batches
@@ -71,11 +78,13 @@ def test_each_invocation_s_phases_add_up_to_its_wall_time(restarted):
     seconds = record["seconds"]
     assert set(seconds) == set(goodput.CHARGED)
     assert sum(seconds.values()) == pytest.approx(record["wall_s"], rel=1e-9)
-    # Nothing left uncounted. The clock starts once train() has set up its call and stops at
-    # the summary, so a fixed few ms fall outside it: 15-22 ms measured alone, 41 ms in a
-    # loaded full suite (over 2% of the 2-s second invocation). The allowance stays below
-    # one injected batch wait (BATCH_SLEEP_S), so a phase left out still fails here.
-    assert record["wall_s"] == pytest.approx(wall, rel=0.02, abs=0.08)
+    # Nothing left uncounted from the call to the record's close. What comes after it (the
+    # closing lines, and freeing the compiled step and the state as train() returns: 70-90 ms
+    # measured alone, 160 ms in a loaded full suite) is left out by design, as the record
+    # must be written before it; the wall here stops where the record closes. What remains
+    # outside is train()'s own set-up of the call (under 1 ms alone). The allowance stays
+    # below one injected batch wait (BATCH_SLEEP_S), so a phase left out still fails here.
+    assert record["wall_s"] == pytest.approx(wall, abs=0.05)
     assert seconds["compile"] > 0 and seconds["productive"] > 0
   first, second = (r["seconds"] for r in records)
   assert first["checkpoint"] >= SAVE_SLEEP_S * saves[0]
