@@ -8,7 +8,7 @@
 A bundled model's search (auto.choice) ranks by the planner's formula, which needs the
 model's config; a module of the user's has none, so here:
 1. Candidates: each strategy × each data·fsdp·tensor factorisation of the device count
-   (`search.factorizations`), one per distinct placement (`search.placement`, with the
+   (`search.factorizations`), one per distinct placement (`search.placer`, with the
    module's own logical names and sizes). One whose rules cannot shard the params (a dim
    not divisible by its mesh axes) is kept in the table as skipped, with the reason.
 2. Estimate: `plan_module` per candidate (traced, never compiled); those over the target's
@@ -146,9 +146,10 @@ def _candidates(abstract, batch, loss_fn, strategies, devices, microbatches: int
   seen, out, duplicates = set(), [], 0
   for name in strategies:
     rules = rules_lib.strategy(name)
+    place = search.placer(rules, dims)
     for shape in search.factorizations(len(devices)):
       spec = mesh_lib.MeshSpec(ici=shape, dcn={})
-      key = search.placement(rules, spec, dims)
+      key = place(spec)
       if key is None:  # an axis that shards nothing would only replicate work
         continue
       if key in seen:
@@ -169,7 +170,7 @@ def _candidates(abstract, batch, loss_fn, strategies, devices, microbatches: int
 
 def _dims(abstract: state_lib.Abstract, batch, microbatches: int) -> dict[str, int]:
   """Each logical name's size in this module's params, and the (micro)batch: what
-  `search.placement` needs to tell placements apart and find idle axes."""
+  `search.placer` needs to tell placements apart and find idle axes."""
   dims = {}
   names = jax.tree.leaves(abstract.names, is_leaf=lambda x: isinstance(x, tuple))
   for n, leaf in zip(names, jax.tree.leaves(abstract.state.params)):

@@ -85,36 +85,65 @@ BACKENDS = {"tpu": Backend("tpu", True, True), "gpu": Backend("gpu", True, True)
             "cpu": Backend("cpu", False, False)}
 
 
-def param_transfers(abstract, rules: rules_lib.Rules, mesh, policy, microbatches: int,
-                    tied: bool, backend: Backend,
+@dataclasses.dataclass(frozen=True)
+class ParamAxes:
+  """One param's shape and the mesh axes each rules table shards it over."""
+  key: tuple[str, ...]
+  names: tuple
+  shape: tuple[int, ...]
+  itemsize: int
+  params: frozenset  # where it is stored
+  compute: frozenset  # where the layers read it (rules.activations)
+  grads: frozenset
+  opt_state: frozenset
+  working: frozenset  # the compute-dtype copy (the stored weights' axes without one)
+  frozen: bool
+
+
+def param_axes(abstract, rules: rules_lib.Rules, mesh) -> list[ParamAxes]:
+  """Every param's axes under each table: all param_transfers needs of the state and the
+  rules (a search computes it once per placement: plan/training/placed.py)."""
+  names = {path_of(p): n for p, n in
+           _flat(abstract.names, is_leaf=lambda x: isinstance(x, tuple))}
+  frozen = {path_of(p) for p, f in _flat(abstract.frozen or {}) if f}
+  out = []
+  for path, leaf in _flat(abstract.state.params):
+    key = path_of(path)
+    n, shape, label = names[key], leaf.shape, ".".join(key)
+    spec = lambda table: frozenset(_axes(rules_lib.spec(n, shape, table, mesh,
+                                                        f"param {label}")))
+    p_axes = spec(rules.params)
+    out.append(ParamAxes(key, tuple(n), tuple(shape), jnp.dtype(leaf.dtype).itemsize, p_axes,
+                         spec(rules.activations), spec(rules.grads), spec(rules.opt_state),
+                         p_axes if rules.working is None else spec(rules.working),
+                         key in frozen))
+  return out
+
+
+def param_transfers(leaves: list[ParamAxes], rules: rules_lib.Rules, mesh, policy,
+                    microbatches: int, tied: bool, backend: Backend,
                     layer_uses: float | None = None) -> list[Transfer]:
   """Weight gathers (ZeRO-1/2's working copy once per step, FSDP's per use), gradient
   reductions, and a gather after the update where the optimizer's shards are finer than the
-  stored weights, per leaf. Uses per step: `microbatches`; `layer_uses` for stacked layers
-  (a pipeline stage's once per iteration: shardlab.plan.training.pipeline.passes)."""
-  names = {path_of(p): n for p, n in
-           _flat(abstract.names, is_leaf=lambda x: isinstance(x, tuple))}
+  stored weights, per leaf (`param_axes`). Uses per step: `microbatches`; `layer_uses` for
+  stacked layers (a pipeline stage's once per iteration:
+  shardlab.plan.training.pipeline.passes)."""
   batch = {a for a in rules.token_axes if mesh.shape.get(a, 1) > 1}
   compute_bytes = jnp.dtype(policy.compute_dtype).itemsize
   reduce_scatter = backend.reduce_scatter
   out = []
-  frozen = {path_of(p) for p, f in _flat(abstract.frozen or {}) if f}
-  for path, leaf in _flat(abstract.state.params):
-    key = path_of(path)
-    n, shape, label = names[key], leaf.shape, ".".join(key)
-    elems, pbytes = math.prod(shape), jnp.dtype(leaf.dtype).itemsize
+  for leaf in leaves:
+    n, label = leaf.names, ".".join(leaf.key)
+    elems, pbytes = math.prod(leaf.shape), leaf.itemsize
     wire = compute_bytes if backend.compute_dtype_collectives else pbytes
-    spec = lambda table: _axes(rules_lib.spec(n, shape, table, mesh, f"param {label}"))
-    p_axes, c_axes = spec(rules.params), spec(rules.activations)
-    g_axes, o_axes = spec(rules.grads), spec(rules.opt_state)
-    w_axes = p_axes if rules.working is None else spec(rules.working)
+    p_axes, c_axes, g_axes, w_axes = leaf.params, leaf.compute, leaf.grads, leaf.working
     c_elems = elems // _shards(c_axes, mesh)
     whole = tuple(sorted(a for a in p_axes - w_axes if mesh.shape[a] > 1))
     if whole:  # ZeRO-1/2: the working copy, gathered once per step
       out.append(Transfer("all-gather", elems // _shards(w_axes, mesh) * wire, whole,
                           f"{label} working copy"))
     gather = tuple(sorted(a for a in w_axes - c_axes if mesh.shape[a] > 1))
-    table = tuple(n) == EMBEDDING
+    table = n == EMBEDDING
     # The embedding is looked up where it is stored (its rows travel, not the table) unless
     # the activations split its vocabulary (then XLA gathers the rest for a masked lookup);
     # tied, it is gathered once more as the head. Layers: forward and backward. Other
@@ -126,14 +155,14 @@ def param_transfers(abstract, rules: rules_lib.Rules, mesh, policy, microbatches
     if gather and uses:
       out.append(Transfer("all-gather", uses * times * c_elems * wire, gather,
                           f"{label} for compute"))
-    trains = key not in frozen  # a frozen param has no gradient and no update
+    trains = not leaf.frozen  # a frozen param has no gradient and no update
     grads = _gradients(table, local, tied, batch, (w_axes, c_axes, g_axes),
                        (elems // _shards(w_axes, mesh), c_elems)) if trains else []
     for reduce, g_elems in grads:
       if reduce:
         out.extend(_reduction(reduce, g_axes, g_elems * wire * times, mesh,
                               reduce_scatter, f"{label} grad"))
-    regather = tuple(sorted(a for a in o_axes - p_axes if mesh.shape[a] > 1))
+    regather = tuple(sorted(a for a in leaf.opt_state - p_axes if mesh.shape[a] > 1))
     if regather and trains:
       out.append(Transfer("all-gather", elems // _shards(p_axes, mesh) * pbytes, regather,
                           f"{label} after the update"))

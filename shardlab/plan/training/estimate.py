@@ -19,6 +19,7 @@ from shardlab.plan.training import experts as plan_experts
 from shardlab.plan.training import gathered as plan_gathered
 from shardlab.plan.training import memory as plan_memory
 from shardlab.plan.training import pipeline as plan_pipeline
+from shardlab.plan.training import placed as placed_lib
 from shardlab.plan.training import recompute
 from shardlab.plan.training import state_bytes
 from shardlab.plan.training import step_time as plan_time
@@ -28,7 +29,6 @@ from shardlab import remat as remat_lib
 from shardlab.errors import ConfigError
 from shardlab.models import protocol
 from shardlab.training import run as run_lib
-from shardlab.training import state as state_lib
 from shardlab.training import step as step_lib
 
 MAX_DEVICES = 65536
@@ -89,8 +89,16 @@ def abstract_mesh(spec: mesh_lib.MeshSpec) -> AbstractMesh:
 
 
 @functools.lru_cache(maxsize=8)
-def _abstract(model, train: config_lib.TrainConfig, lora: config_lib.LoraConfig):
-  return run_lib.abstract_state(config_lib.Config(model=model, train=train, lora=lora))
+def _abstract_state(model, train: config_lib.TrainConfig,
+                    lora: config_lib.LoraConfig) -> placed_lib.State:
+  return placed_lib.State(run_lib.abstract_state(config_lib.Config(model=model, train=train,
+                                                                   lora=lora)))
+
+
+def _shape_settings(train: config_lib.TrainConfig) -> config_lib.TrainConfig:
+  """`train` without what the state's shapes do not depend on (the sequence, the batch and
+  its split), so one abstract state serves every estimate of a search."""
+  return dataclasses.replace(train, seq_len=1, loss_chunk=0, global_batch=1, microbatches=1)
 
 
 def split_ici_dcn(shape: dict, ici_domain: int) -> mesh_lib.MeshSpec:
@@ -147,17 +155,16 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
   # The batch check needs only the rules and the mesh: run it before the shardings (speed).
   step_lib.check_batch(train.global_batch, train.microbatches,
                        types.SimpleNamespace(rules=rules, mesh=mesh))
-  # The state's shapes do not depend on the sequence: one abstract state for every length.
-  abstract = _abstract(model, dataclasses.replace(train, seq_len=1, loss_chunk=0), req.lora)
-  sh = state_lib.shardings(abstract, rules, mesh)
+  held = _abstract_state(model, _shape_settings(train), req.lora)
+  placed = held.placed(strategy, req.rules, rules, mesh)
+  abstract, sh = held.abstract, placed.shardings
   p = jnp.dtype(policy.compute_dtype).itemsize
   be = plan_comm.BACKENDS[backend or acc.kind]
   grad_dtype = precision_lib.gradient_dtype(policy, train.grad_dtype)
   uses = plan_pipeline.passes(model, train, rules, mesh)  # a pipeline loops on its own
   memory, shapes, state, offloaded_acts, accounting = _memory(
-      model, train, rules, mesh, abstract, sh, policy, grad_dtype, p, be, uses)
-  weights, serial = _transfers(model, req, train, rules, mesh, policy, abstract, be, uses,
-                                shapes, p)
+      model, train, placed, policy, grad_dtype, p, be, uses)
+  weights, serial = _transfers(model, req, train, placed, policy, be, uses, shapes, p)
   tokens_per_device = _tokens_per_device(req, rules, mesh)
   flops = (recompute.hardware_flops_per_token(model, train.seq_len, train.remat) -
            _frozen_weight_grad_flops(model, req.lora)) * tokens_per_device
@@ -216,29 +223,40 @@ def _accumulates_in_scan(model, train) -> bool:
   return train.remat == "full" and protocol.get(model, "layers_per_scan_step") == 1
 
 
-def _memory(model, train, rules, mesh, abstract, sh, policy, grad_dtype, p: int, be, uses):
+def _memory(model, train, placed: placed_lib.Placed, policy, grad_dtype, p: int, be, uses):
   """(Memory per device, the activation shapes, the model state's bytes, the activations
   remat offload keeps in host memory, the state's bytes a parameter: ZeRO's table)."""
+  abstract, rules, mesh, sh = placed.abstract, placed.rules, placed.mesh, placed.shardings
   in_scan = _accumulates_in_scan(model, train)
-  state = state_bytes.model_state(abstract, sh, policy, uses.looped, grad_dtype,
-                                  train.offload, in_scan)
-  gathered, head_gathered = plan_gathered.gathered_bytes(abstract, rules, mesh, p)
+  # The state's bytes depend on the microbatches only through whether there is more than one.
+  accumulates = min(uses.looped, 2)
+  state = dict(placed.derived(
+      ("model_state", accumulates, grad_dtype, train.offload, in_scan),
+      lambda: state_bytes.model_state(abstract, sh, policy, accumulates, grad_dtype,
+                                      train.offload, in_scan)))
+  gathered, head_gathered = placed.derived(
+      ("gathered", p), lambda: plan_gathered.gathered_bytes(abstract, rules, mesh, p))
   acts, batch_bytes, shapes = plan_memory.activation_memory(model, train, p, rules.activations,
                                                             mesh, head_gathered, be.name)
   offloaded_acts = plan_memory.offloaded_activation_bytes(model, shapes, p, train.remat)
   memory = plan_memory.Memory(activations=acts, gathered=gathered, batch=batch_bytes,
                               **dict(state, host=state["host"] + offloaded_acts))
-  accounting = state_bytes.state_accounting(abstract, sh, state, policy, uses.looped,
-                                            grad_dtype, in_scan)
+  accounting = placed.derived(
+      ("accounting", accumulates, grad_dtype, train.offload, in_scan),
+      lambda: state_bytes.state_accounting(abstract, sh, state, policy, accumulates,
+                                           grad_dtype, in_scan))
   return memory, shapes, state, offloaded_acts, accounting
 
 
-def _transfers(model, req: Request, train, rules, mesh, policy, abstract, be, uses, shapes,
-               p: int) -> tuple[list, list]:
+def _transfers(model, req: Request, train, placed: placed_lib.Placed, policy, be, uses,
+               shapes, p: int) -> tuple[list, list]:
   """Every collective of the step: the weights' (gathers and gradient reductions, which can
   run beside other layers' compute) and the activations' and experts' (which cannot)."""
+  rules, mesh = placed.rules, placed.mesh
   wire = p if be.compute_dtype_collectives else 4  # XLA:CPU moves bf16 as fp32
-  weights = plan_comm.param_transfers(abstract, rules, mesh, policy, uses.looped,
+  leaves = placed.derived(("param axes",),
+                          lambda: plan_comm.param_axes(placed.abstract, rules, mesh))
+  weights = plan_comm.param_transfers(leaves, rules, mesh, policy, uses.looped,
                                       model.tie_embeddings, be, uses.layer_uses)
   serial = (plan_comm.activation_transfers(model, shapes, rules, mesh, wire, train.remat,
                                            train.microbatches, uses.layer_runs,

@@ -11,7 +11,7 @@ from shardlab.observe.progress import Activity
 from shardlab.plan.training.estimate import MAX_DEVICES, STRATEGIES, Estimate, Request
 from shardlab.plan.training.estimate import split_ici_dcn
 from shardlab.plan.training.search import CORE, axes_of, context_sizes, divisors
-from shardlab.plan.training.search import logical_sizes, placement, rank, try_estimate
+from shardlab.plan.training.search import logical_sizes, placer, rank, try_estimate
 from shardlab.sharding import rules as rules_lib
 
 LONG_SCAN = 200  # candidates (a few ms each) past which a terminal gets a progress bar
@@ -42,7 +42,7 @@ def candidates(req: Request, model, acc, microbatches: int,
   seen = set()
   for strategy in STRATEGIES:
     rules = rules_lib.strategy(strategy, req.rules)
-    sizes = _axis_sizes(rules, dims)
+    sizes, place = _axis_sizes(rules, dims), placer(rules, dims)
     for shape in itertools.product(sizes["tensor"], sizes["fsdp"], sizes["data"],
                                    context_sizes(req.train.seq_len)):
       t, f, d, c = shape
@@ -51,7 +51,7 @@ def candidates(req: Request, model, acc, microbatches: int,
         continue
       axes = {"data": d, "fsdp": f, "tensor": t} | ({"context": c} if c > 1 else {})
       spec = split_ici_dcn(axes, acc.ici_domain)
-      key = placement(rules, spec, dims)
+      key = place(spec)
       if key is not None and key not in seen:
         seen.add(key)
         by_n.setdefault(d * f * t * c, []).append((strategy, spec))

@@ -9,6 +9,7 @@ nothing the model has only replicates work: such meshes are dropped.
 """
 
 import math
+from typing import Callable
 
 from shardlab.errors import ConfigError
 from shardlab.plan.training.estimate import STRATEGIES, Estimate, Request, estimate
@@ -60,23 +61,30 @@ def logical_sizes(req: Request, model, microbatches: int) -> dict[str, int]:
           "length": req.train.seq_len, "residual_length": req.train.seq_len}
 
 
-def placement(rules: rules_lib.Rules, spec: mesh_lib.MeshSpec, dims: dict) -> tuple | None:
-  """What a strategy puts where on a mesh: per table and logical name, into how many pieces
-  inside the fast domain and across DCN. None when an axis of size > 1 shards nothing."""
-  shape = spec.shape
+def placer(rules: rules_lib.Rules, dims: dict) -> Callable[[mesh_lib.MeshSpec], tuple | None]:
+  """What a strategy puts where on a mesh, as a function of the mesh: per table and logical
+  name, into how many pieces inside the fast domain and across DCN; None when an axis of
+  size > 1 shards nothing. The rules are read once (a search asks about a thousand meshes
+  per strategy)."""
   working = rules.params if rules.working is None else rules.working
-  used, out = set(), []
   tables = (rules.params, rules.opt_state, rules.grads, working, rules.activations)
-  for i, table in enumerate(tables):
-    for name in sorted(n for n in table if n in dims):
-      axes = [a for a in axes_of(table[name]) if shape.get(a, 1) > 1]
+  rules_axes = [(i, name, axes_of(table[name])) for i, table in enumerate(tables)
+                for name in sorted(n for n in table if n in dims)]
+
+  def place(spec: mesh_lib.MeshSpec) -> tuple | None:
+    shape, ici, dcn = spec.shape, spec.ici, spec.dcn
+    used, out = set(), []
+    for i, name, rule in rules_axes:
+      axes = [a for a in rule if shape.get(a, 1) > 1]
       if axes:
         used.update(axes)
-        out.append((i, name, math.prod(spec.ici.get(a, 1) for a in axes),
-                    math.prod(spec.dcn.get(a, 1) for a in axes)))
-  if any(size > 1 and axis not in used for axis, size in shape.items()):
-    return None
-  return tuple(out)
+        out.append((i, name, math.prod(ici.get(a, 1) for a in axes),
+                    math.prod(dcn.get(a, 1) for a in axes)))
+    if any(size > 1 and axis not in used for axis, size in shape.items()):
+      return None
+    return tuple(out)
+
+  return place
 
 
 def staged(n: int, seq_len: int | None, dims: dict, acc) -> list[dict]:
@@ -115,11 +123,11 @@ def search(req: Request, model, acc, n: int,
   best: dict[tuple, Estimate] = {}
   dims = logical_sizes(req, model, req.train.microbatches)
   for strategy in strategies:
-    rules = rules_lib.strategy(strategy, req.rules)
+    place = placer(rules_lib.strategy(strategy, req.rules), dims)
     for shape in (factorizations(n, req.train.seq_len) + staged(n, req.train.seq_len, dims, acc) +
                   expert_shapes(n, req.train.seq_len, dims)):
       spec = split_ici_dcn(shape, acc.ici_domain)
-      key = placement(rules, spec, dims)
+      key = place(spec)
       e = None if key is None else try_estimate(req, model, acc, spec, strategy)
       if e is not None and e.fits and (key not in best or rank(e) < rank(best[key])):
         best[key] = e
