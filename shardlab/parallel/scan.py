@@ -87,7 +87,12 @@ def scan(layers: nnx.Module, x, args: tuple, call: Call, remat: str = "none",
                                accumulators, registry.grad_dtype, unroll)
     return x, None, totals
   if remat != "none":
-    body = jax.checkpoint(body, policy=jax_policy(remat), prevent_cse=False)
+    # Inside a loop XLA cannot merge the backward's recomputed forward with the forward, so
+    # no barrier is needed. A scan unrolled whole (or of one layer, whose loop XLA removes)
+    # is straight-line code: without the barrier CSE merges the two and the remat is undone
+    # (the step compiled to no remat's program, bytes and FLOPs alike).
+    straight = unroll >= jax.tree.leaves(stacked)[0].shape[0]
+    body = jax.checkpoint(body, policy=jax_policy(remat), prevent_cse=straight)
   (x, totals), out = jax.lax.scan(body, (x, zeros), (stacked, per_layer), unroll=unroll)
   return x, out, totals
 
