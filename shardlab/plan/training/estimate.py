@@ -23,6 +23,7 @@ from shardlab.plan.training import placed as placed_lib
 from shardlab.plan.training import recompute
 from shardlab.plan.training import state_bytes
 from shardlab.plan.training import step_time as plan_time
+from shardlab.plan.training import weight_comm
 from shardlab.plan.training.request import Request, train_config
 from shardlab.sharding import rules as rules_lib
 from shardlab import remat as remat_lib
@@ -255,9 +256,9 @@ def _transfers(model, req: Request, train, placed: placed_lib.Placed, policy, be
   rules, mesh = placed.rules, placed.mesh
   wire = p if be.compute_dtype_collectives else 4  # XLA:CPU moves bf16 as fp32
   leaves = placed.derived(("param axes",),
-                          lambda: plan_comm.param_axes(placed.abstract, rules, mesh))
-  weights = plan_comm.param_transfers(leaves, rules, mesh, policy, uses.looped,
-                                      model.tie_embeddings, be, uses.layer_uses)
+                          lambda: weight_comm.param_axes(placed.abstract, rules, mesh))
+  weights = weight_comm.param_transfers(leaves, rules, mesh, policy, uses.looped,
+                                        model.tie_embeddings, be, uses.layer_uses)
   serial = (plan_comm.activation_transfers(model, shapes, rules, mesh, wire, train.remat,
                                            train.microbatches, uses.layer_runs,
                                            be.reduce_scatter) +
