@@ -31,8 +31,9 @@ def read_projections(m, names) -> list[str]:
 def hardware_flops_per_token(m, seq_len: int, remat: str) -> float:
   """Model FLOPs plus what remat recomputes: every policy repeats attention's forward
   einsums (4·H·E·seq a layer); full and offload repeat each layer's weight matmuls too
-  (2·N_layer), save-matmul-outputs none of them, a named policy those whose outputs it does
-  not keep."""
+  (2 FLOPs a parameter the token runs through: a mixture of experts' token reruns its own
+  experts, not every one), save-matmul-outputs none of them, a named policy those whose
+  outputs it does not keep."""
   flops = m.flops_per_token(seq_len)
   policy = remat_lib.policy(remat)
   if policy is None:
@@ -41,8 +42,13 @@ def hardware_flops_per_token(m, seq_len: int, remat: str) -> float:
   if policy.dots:
     return flops
   kept = read_projections(m, policy.saved + policy.offloaded)
-  return flops + 2 * (m.n_layer_params - m.n_layers * sum(projection_params(m, n)
-                                                          for n in kept))
+  return flops + 2 * (_active_layer_params(m) - m.n_layers * sum(projection_params(m, n)
+                                                                 for n in kept))
+
+
+def _active_layer_params(m) -> int:
+  """The scanned blocks' parameters one token runs through (all of them, for a dense model)."""
+  return m.n_layer_params - (m.n_params - protocol.get(m, "n_active_params"))
 
 
 def projection_params(m, name: str) -> int:
