@@ -60,7 +60,8 @@ def scan(layers: nnx.Module, x, args: tuple, call: Call, remat: str = "none",
     raise ConfigError(f"the layer scan's unroll (train.scan_unroll) must be an int >= 1, "
                       f"got {unroll!r}")
   graphdef, stacked = nnx.split(layers)
-  where = pipeline.stages(jax.tree.leaves(stacked)[0].shape[0])
+  n_layers = jax.tree.leaves(stacked)[0].shape[0]
+  where = pipeline.stages(n_layers)
   if per_layer is None and where is not None:  # the rules split `layers` over `stage`
     return _pipelined(graphdef, stacked, x, args, call, remat, where, stats), None, stats
 
@@ -91,8 +92,7 @@ def scan(layers: nnx.Module, x, args: tuple, call: Call, remat: str = "none",
     # no barrier is needed. A scan unrolled whole (or of one layer, whose loop XLA removes)
     # is straight-line code: without the barrier CSE merges the two and the remat is undone
     # (the step compiled to no remat's program, bytes and FLOPs alike).
-    straight = unroll >= jax.tree.leaves(stacked)[0].shape[0]
-    body = jax.checkpoint(body, policy=jax_policy(remat), prevent_cse=straight)
+    body = jax.checkpoint(body, policy=jax_policy(remat), prevent_cse=unroll >= n_layers)
   (x, totals), out = jax.lax.scan(body, (x, zeros), (stacked, per_layer), unroll=unroll)
   return x, out, totals
 

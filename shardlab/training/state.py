@@ -159,7 +159,8 @@ def path_of(keypath) -> tuple[str, ...]:
   return tuple(str(k.key) for k in keypath if isinstance(k, jax.tree_util.DictKey))
 
 
-def _flat_by_path(tree, is_leaf=None) -> dict:
+def flat_by_path(tree, is_leaf=None) -> dict:
+  """{the param's name (path_of): leaf} of a params-shaped tree."""
   leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
   return {path_of(p): leaf for p, leaf in leaves}
 
@@ -194,8 +195,8 @@ def shardings(abstract: Abstract, rules: rules_lib.Rules, mesh: Mesh,
     return NamedSharding(mesh, rules_lib.spec(names, shape, table, mesh, what))
 
   params = abstract.state.params
-  param_names = _flat_by_path(abstract.names, is_leaf=lambda x: isinstance(x, tuple))
-  param_shapes = {p: a.shape for p, a in _flat_by_path(params).items()}
+  param_names = flat_by_path(abstract.names, is_leaf=lambda x: isinstance(x, tuple))
+  param_shapes = {p: a.shape for p, a in flat_by_path(params).items()}
 
   def param_sharding(table):
     return jax.tree_util.tree_map_with_path(

@@ -157,7 +157,7 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
   step_lib.check_batch(train.global_batch, train.microbatches,
                        types.SimpleNamespace(rules=rules, mesh=mesh))
   held = _abstract_state(model, _shape_settings(train), req.lora)
-  placed = held.placed(strategy, req.rules, rules, mesh)
+  placed = held.placed(rules, mesh)
   abstract, sh = held.abstract, placed.shardings
   p = jnp.dtype(policy.compute_dtype).itemsize
   be = plan_comm.BACKENDS[backend or acc.kind]

@@ -44,10 +44,9 @@ class State:
     self.abstract = abstract
     self._placed: dict[tuple, Placed] = {}
 
-  def placed(self, strategy: str, overrides: dict, rules: rules_lib.Rules,
-             mesh: AbstractMesh) -> Placed:
-    """The placement of `rules` (the strategy's tables with `overrides`) on `mesh`."""
-    key = (strategy, repr(overrides), mesh)
+  def placed(self, rules: rules_lib.Rules, mesh: AbstractMesh) -> Placed:
+    """The placement of `rules` on `mesh` (rules with the same name and tables are one)."""
+    key = (repr(rules), mesh)
     if key not in self._placed:
       self._placed[key] = Placed(self.abstract, rules, mesh)
     return self._placed[key]

@@ -6,18 +6,13 @@ than the stored weights."""
 import dataclasses
 import math
 
-import jax
 import jax.numpy as jnp
 
 from shardlab.plan.training.comm import Backend, Transfer, _axes, _shards
 from shardlab.sharding import rules as rules_lib
-from shardlab.training.state import path_of
+from shardlab.training.state import flat_by_path
 
 EMBEDDING = ("vocab", "embed")  # a tied table: looked up and used as the output head
-
-
-def _flat(tree, is_leaf=None):
-  return jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,12 +33,10 @@ class ParamAxes:
 def param_axes(abstract, rules: rules_lib.Rules, mesh) -> list[ParamAxes]:
   """Every param's axes under each table: all param_transfers needs of the state and the
   rules (a search computes it once per placement: plan/training/placed.py)."""
-  names = {path_of(p): n for p, n in
-           _flat(abstract.names, is_leaf=lambda x: isinstance(x, tuple))}
-  frozen = {path_of(p) for p, f in _flat(abstract.frozen or {}) if f}
+  names = flat_by_path(abstract.names, is_leaf=lambda x: isinstance(x, tuple))
+  frozen = {key for key, f in flat_by_path(abstract.frozen or {}).items() if f}
   out = []
-  for path, leaf in _flat(abstract.state.params):
-    key = path_of(path)
+  for key, leaf in flat_by_path(abstract.state.params).items():
     n, shape, label = names[key], leaf.shape, ".".join(key)
     spec = lambda table: frozenset(_axes(rules_lib.spec(n, shape, table, mesh,
                                                         f"param {label}")))
