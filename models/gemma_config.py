@@ -45,6 +45,7 @@ class Gemma2Config(LlamaConfig):
   # The post-attention and post-MLP norms read both output projections, down's (mlpwo) too.
   saved_matmul_outputs = {"d": 2, "q": 1, "kv": 2, "mlp": 2}
   saved_projections = LlamaConfig.saved_projections | {"mlpwo": "d"}
+  unread_projections = ()
 
   # The planner's (models/protocol.py): the scan runs one period of the pattern a step
   # (gemma.scan_pattern); the soft-cap's backward recomputes the fp32 scores

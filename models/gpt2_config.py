@@ -46,6 +46,7 @@ class GPT2Config:
   # As LlamaConfig's; the MLP's one input projection is its "up" (mlpwi_1).
   saved_projections = {"query_proj": "q", "key_proj": "kv", "value_proj": "kv",
                        "out_proj": "d", "mlpwi_1": "mlp"}
+  unread_projections = ("mlpwo",)  # as LlamaConfig's
   # The projections LoRA can adapt (lora.targets; llama's names, no gate), and their weights.
   lora_targets = tuple(gpt2.LORA_WEIGHTS)
   lora_weights = gpt2.LORA_WEIGHTS

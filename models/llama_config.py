@@ -68,6 +68,10 @@ class LlamaConfig:
   # names it keeps nothing more (the traced backward's residuals: test_remat_policies.py).
   saved_projections = {"query_proj": "q", "key_proj": "kv", "value_proj": "kv",
                        "out_proj": "d", "mlpwi_0": "mlp", "mlpwi_1": "mlp"}
+  # Nor does its recomputed forward: the down projection's output only joins the residual
+  # sum, which is the next layer's saved input, so remat does not run it again (the compiled
+  # step's FLOPs: tests/test_remat_policies.py).
+  unread_projections = ("mlpwo",)
   # The projections LoRA can adapt (lora.targets), and the weight each one adapts.
   lora_targets = tuple(llama.LORA_WEIGHTS)
   lora_weights = llama.LORA_WEIGHTS

@@ -73,6 +73,7 @@ class MoEConfig(LlamaConfig):
   saved_matmul_outputs = {"d": 1, "q": 1, "kv": 2}
   saved_projections = {"query_proj": "q", "key_proj": "kv", "value_proj": "kv",
                        "out_proj": "d"}
+  unread_projections = ()  # the combine reads every expert's output
 
   def make(self, rngs: nnx.Rngs, param_dtype, remat: str = "none", lora=None,
            unroll: int = 1) -> moe.MoE:

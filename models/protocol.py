@@ -92,6 +92,11 @@ OPTIONAL = {
     "saved_projections": _planner("{checkpoint name: shape} of the named projection outputs "
                                   "a layer's backward reads when a named remat policy keeps "
                                   "them (shardlab/remat.py)"),
+    "unread_projections": OptionalMember("checkpoint names (shardlab/remat.py) of the "
+                                         "projections whose output no backward reads: under "
+                                         "remat their forward is not run again (the planner)",
+                                         "every projection's forward runs again",
+                                         lambda m: ()),
     "n_experts": OptionalMember("experts per layer: the model is a mixture of experts, and "
                                 "gives every member of EXPERTS",
                                 "a dense model: no expert weights, no dispatch all-to-all"),

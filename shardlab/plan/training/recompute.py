@@ -33,7 +33,8 @@ def hardware_flops_per_token(m, seq_len: int, remat: str) -> float:
   einsums (4·H·E·seq a layer); full and offload repeat each layer's weight matmuls too
   (2 FLOPs a parameter the token runs through: a mixture of experts' token reruns its own
   experts, not every one), save-matmul-outputs none of them, a named policy those whose
-  outputs it does not keep."""
+  outputs it does not keep. None reruns a projection whose output no backward reads
+  (`unread_projections`: llama's down projection)."""
   flops = m.flops_per_token(seq_len)
   policy = remat_lib.policy(remat)
   if policy is None:
@@ -41,9 +42,10 @@ def hardware_flops_per_token(m, seq_len: int, remat: str) -> float:
   flops += 4 * m.n_layers * m.n_heads * m.head_dim * seq_len
   if policy.dots:
     return flops
-  kept = read_projections(m, policy.saved + policy.offloaded)
+  skipped = [*read_projections(m, policy.saved + policy.offloaded),
+             *protocol.get(m, "unread_projections")]
   return flops + 2 * (_active_layer_params(m) - m.n_layers * sum(projection_params(m, n)
-                                                                 for n in kept))
+                                                                 for n in skipped))
 
 
 def _active_layer_params(m) -> int:
