@@ -2,8 +2,9 @@
 memory-bound work (norms, activations, softmax, RoPE, residual adds) by the bytes it moves,
 and the collectives that cannot hide behind compute.
 
-  matmuls       the weight matmuls' hardware FLOPs (6 a parameter a token, plus the forward
-                again under full remat) / (peak × `matmul_efficiency`): the target's
+  matmuls       the weight matmuls' hardware FLOPs (6 a parameter a token, plus what remat
+                runs again: recompute.hardware_flops_per_token) / (peak ×
+                `matmul_efficiency`): the target's
                 published fraction of peak (hardware.Accelerator) × MATMUL_OVER_STEP;
   attention     the L×L einsums (12·layers·heads·head_dim·L a token, the forward again where
                 remat recomputes it) at ATTENTION_EFFICIENCY of that: flash kernels run
