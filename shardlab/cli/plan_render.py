@@ -108,7 +108,8 @@ def _time_lines(result) -> list[str]:
   lines = ["", "communication per device per step"]
   lines += [f"  {kind:18s}{gib(b, 9)}" for kind, b in e.collectives.items()]
   return lines + [
-      "", "predicted step time (plan/training/step_time.py: compute + exposed collectives)",
+      "", "predicted step time (plan/training/step_time.py: compute + exposed collectives + "
+      "optimizer update)",
       f"  compute {e.compute_s * 1e3:10.1f} ms   ({e.flops_per_device / 1e12:.1f} TFLOP per "
       f"device incl. remat; matmuls at {e.efficiency:.0%} of peak "
       f"{e.time.matmul_s * 1e3:.1f} ms, attention {e.time.attention_s * 1e3:.1f} ms, "
@@ -118,6 +119,8 @@ def _time_lines(result) -> list[str]:
       f"{acc.dcn_bw / 1e9:.1f} GB/s per device; {e.time.exposed_comm_s * 1e3:.1f} ms exposed)",
       *([f"  host    {e.host_s * 1e3:10.1f} ms   (offload traffic at "
          f"{acc.host_bw / 1e9:.0f} GB/s each way)"] if e.host_transfer_bytes else []),
+      f"  update  {e.time.update_s * 1e3:10.1f} ms   (the optimizer's pass over this device's "
+      f"weights, gradients and state)",
       f"  step    {e.step_s * 1e3:10.1f} ms   bound by {e.binding}; "
       f"{e.tokens_per_s:,.0f} tokens/s" + (f"; pipeline {e.pipeline.schedule}, bubble "
                                              f"{e.pipeline.bubble:.1%}" if e.pipeline else ""),

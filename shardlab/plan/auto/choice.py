@@ -10,8 +10,9 @@ compiling it.
 3. Predict each fitting candidate's step from its compiled program by the planner's
    step-time model (`auto.predict`): the formula's matmul and attention time scaled by the
    program's matmul FLOPs over the formula's (loops unrolled, `observe.hlo_flops`), its
-   memory-bound work and bubble, and the collectives' exposed part with their times scaled
-   by compiled ÷ formula bytes; or the HBM or host-transfer floor, where longer.
+   memory-bound work and bubble, the collectives' exposed part with their times scaled by
+   compiled ÷ formula bytes, and the optimizer's update; or the HBM or host-transfer floor,
+   where longer.
 4. The winner: the fastest predicted step; ties go to less compiled memory, then to the
    formula's order. Everything here is deterministic but the budget's clock: several
    processes take process 0's choice.
@@ -104,9 +105,9 @@ class Choice:
       ahead = runner.predicted_s / w.predicted_s - 1
       why = ("holds less memory" if w.memory_judged and
              w.report.total_bytes < runner.report.total_bytes else "ranked first by formula")
-      text += (f", {ahead:.0%} ahead of {runner.option.strategy} on {runner.option.mesh}"
-               if ahead > 5e-4 else f"; as fast as {runner.option.strategy} on "
-               f"{runner.option.mesh}, it {why}")
+      other = f"{runner.option.strategy} on {runner.option.mesh}"
+      text += (f", {ahead:.{0 if ahead >= 0.01 else 1}%} ahead of {other}" if ahead > 5e-4
+               else f"; as fast as {other}, it {why}")
     if rejected:
       text += f"; {rejected} did not fit by XLA's memory analysis"
     return text

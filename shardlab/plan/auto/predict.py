@@ -13,8 +13,9 @@ two it can see:
                 each scaled by the program's collective bytes over the formula's as compiled
                 (XLA:CPU moves bf16 collectives as fp32); traffic the formula has none of
                 crosses the slowest link the mesh has, exposed in full;
-and the step is compute plus the collectives' exposed part (`step_time.exposed`), or the HBM
-or host-transfer floor where either is longer, as the planner's is.
+and the step is compute plus the collectives' exposed part (`step_time.exposed`) plus the
+optimizer's update as the formula has it, or the HBM or host-transfer floor where either is
+longer, as the planner's is.
 """
 
 from shardlab.observe.step_report import StepReport
@@ -41,7 +42,7 @@ def predict(report: StepReport, target_est: Estimate, compiled_est: Estimate,
   else:
     serial, hideable = compiled_bytes / (acc.dcn_bw if spec.dcn else acc.ici_bw), 0.0
   exposed = plan_time.exposed(serial, hideable, compute, n_layers)
-  terms = {"compute": compute + exposed, "memory": target_est.memory_s,
+  terms = {"compute": compute + exposed + t.update_s, "memory": target_est.memory_s,
            "host transfers": target_est.host_s}
   longest = max(terms, key=terms.get)
   bound = "communication" if longest == "compute" and exposed > compute else longest

@@ -23,14 +23,20 @@ and the collectives that cannot hide behind compute.
                 beside the next or previous layer's compute, so only what exceeds the compute
                 time is exposed, plus one layer's share (the first gather and the last
                 reduction have nothing to hide behind);
-  pipeline      the compute stretched by the bubble, 1 / (1 − bubble).
+  pipeline      the compute stretched by the bubble, 1 / (1 − bubble);
+  update        the optimizer's pass over the state the device holds (read the weights,
+                their gradients and the optimizer state, write the weights and the state)
+                at HBM bandwidth, after the last gradient is made: nothing overlaps it.
+                Small where the state is sharded over many devices; where it is replicated
+                (data parallelism) every device updates all of it.
 The constants below were set on the fitting half of `published.RUNS` only
 (bench/plan_published.py prints both halves): MATMUL_OVER_STEP and flash's
 ATTENTION_EFFICIENCY as the pair, on a grid (steps of 0.05), whose worst fitted run is
 nearest; refitted when the TPU targets' efficiencies became HFU like the GPUs' and MaxText's
 Llama 3.1 v6e and Llama 2 v5p runs joined (1.35 and 0.6 before: the held-out Llama 3.1 70B
 came out 0.78), and again when remat stopped counting the down projection's forward, which
-no backward reads (1.2 and 0.85 before: worst fitted 11.4%, held out 8.7%).
+no backward reads (1.2 and 0.85 before: worst fitted 11.4%, held out 8.7%). Adding the
+optimizer's update left the grid's best pair where it was (worst fitted 7.5%, held out 9.7%).
 """
 
 import dataclasses
@@ -61,6 +67,7 @@ class StepTime:
   elementwise_s: float
   exposed_comm_s: float  # the collectives' part that does not overlap compute
   bubble: float
+  update_s: float = 0.0  # the optimizer's update of the device's state
 
   @property
   def compute_s(self) -> float:
@@ -69,7 +76,7 @@ class StepTime:
 
   @property
   def step_s(self) -> float:
-    return self.compute_s + self.exposed_comm_s
+    return self.compute_s + self.exposed_comm_s + self.update_s
 
 
 def matmul_efficiency(acc) -> float:
@@ -105,9 +112,10 @@ def exposed(serial_s: float, hideable_s: float, compute_s: float, n_layers: int)
 
 def step_time(m, train, acc, tokens_per_device: float, flops_per_device: float, a, p: int,
               layer_runs: float, serial_s: float, hideable_s: float,
-              bubble: float) -> StepTime:
+              bubble: float, update_bytes: float = 0.0) -> StepTime:
   """The step's time on one device (see the module docstring). `flops_per_device`: its
-  hardware FLOPs, attention included; `a`: one microbatch's ActivationShapes."""
+  hardware FLOPs, attention included; `a`: one microbatch's ActivationShapes;
+  `update_bytes`: what the optimizer's update reads and writes on the device."""
   attention = attention_flops_per_token(m, train.seq_len, train.remat) * tokens_per_device
   rate = acc.peak_flops * matmul_efficiency(acc)
   matmul_s = max(flops_per_device - attention, 0.0) / rate
@@ -115,4 +123,5 @@ def step_time(m, train, acc, tokens_per_device: float, flops_per_device: float, 
   elementwise_s = elementwise_bytes(a, p, layer_runs, train.remat) / acc.hbm_bw
   compute = (matmul_s + attention_s + elementwise_s) / (1 - bubble)
   return StepTime(matmul_s, attention_s, elementwise_s,
-                  exposed(serial_s, hideable_s, compute, m.n_layers), bubble)
+                  exposed(serial_s, hideable_s, compute, m.n_layers), bubble,
+                  update_bytes / acc.hbm_bw)
