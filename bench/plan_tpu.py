@@ -95,13 +95,18 @@ _SPLASH_BLOCKS = ("sa_block_q=1024", "sa_block_q_dkv=2048", "sa_block_q_dq=2048"
 _SPLASH_2048 = (*(f"sa_block_{b}=2048" for b in ("q", "kv", "kv_compute", "q_dkv", "kv_dkv",
                                                   "kv_dkv_compute", "q_dq", "kv_dq")),
                 "sa_use_fused_bwd_kernel=True")
-# The Llama 3.1 recipes' xla_flags (benchmarks/xla_flags_library.py): DENSE_VMEM_LIMIT_FLAG
-# and HOST_OFFLOAD_FLAGS; the 8B's also LAYOUT_FOR_ALL_REDUCE_SCATTER and
-# DATA_PARALLEL_OVERLAP. Left out: CF_FOR_ALL_GATHER (libtpu 0.0.50 refuses continuation
-# fusion on a compile-only v6e: "not supported/recommended on platforms other than TPU
-# v5e") and the 8B's SparseCore all-reduce offloading (a compile-only topology has none).
+# The recipes' xla_flags (benchmarks/xla_flags_library.py). Left out everywhere:
+# CF_FOR_ALL_GATHER (libtpu 0.0.50 refuses continuation fusion on a compile-only v5p and
+# v6e alike: "not supported/recommended on platforms other than TPU v5e"; MaxText's own
+# comment calls it enabled by default) and the Llama 3.1 8B's SparseCore all-reduce
+# offloading (a compile-only topology has none).
+_DENSE_VMEM_LIMIT = ("--xla_tpu_scoped_vmem_limit_kib=98304",)
+_DATA_PARALLEL_OVERLAP = ("--xla_tpu_enable_data_parallel_all_reduce_opt=true",
+                          "--xla_tpu_data_parallel_opt_different_sized_ops=true")
+# The Llama 3.1 recipes': DENSE_VMEM_LIMIT_FLAG and HOST_OFFLOAD_FLAGS; the 8B's also
+# LAYOUT_FOR_ALL_REDUCE_SCATTER and DATA_PARALLEL_OVERLAP.
 _LLAMA31_FLAGS = (
-    "--xla_tpu_scoped_vmem_limit_kib=98304",
+    *_DENSE_VMEM_LIMIT,
     "--xla_tpu_enable_all_experimental_scheduler_features=true",
     "--xla_tpu_enable_scheduler_memory_pressure_tracking=true",
     "--xla_tpu_host_transfer_overlap_limit=24",
@@ -116,8 +121,7 @@ _LLAMA31_FLAGS = (
 _LLAMA31_8B_FLAGS = (*_LLAMA31_FLAGS, "--xla_tpu_use_minor_sharding_for_major_trivial_input=true",
                      "--xla_tpu_relayout_group_size_threshold_for_reduce_scatter=1",
                      "--xla_tpu_assign_all_reduce_scatter_layout=true",
-                     "--xla_tpu_enable_data_parallel_all_reduce_opt=true",
-                     "--xla_tpu_data_parallel_opt_different_sized_ops=true")
+                     *_DATA_PARALLEL_OVERLAP)
 
 
 def _custom(offloaded: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
@@ -133,20 +137,23 @@ _LLAMA31_70B = _custom(remat.QKV)
 RECIPES = {
     "llama2_7b_v5p_128/v5p-128": Recipe(
         "llama2-7b", "tpu-v5p", 64, 4, 4096, "save-matmul-outputs", "flash",
-        ("remat_policy=minimal", "use_iota_embed=True"), source=_V5P),
+        ("remat_policy=minimal", "use_iota_embed=True"), source=_V5P,
+        libtpu_flags=_DATA_PARALLEL_OVERLAP),
     "llama2_70b_v5p_128/v5p-128": Recipe(
         "llama2-70b", "tpu-v5p", 64, 4, 4096, "save-dot-except-mlpwi", "flash",
-        ("remat_policy=save_dot_except_mlpwi", "use_iota_embed=True"), source=_V5P),
+        ("remat_policy=save_dot_except_mlpwi", "use_iota_embed=True"), source=_V5P,
+        libtpu_flags=_DATA_PARALLEL_OVERLAP),
     "llama2-7b-4096/v6e-256": Recipe(
         "llama2-7b", "tpu-v6e", 256, 12, 4096, "full", "flash",
-        ("remat_policy=full", "use_iota_embed=True", *_SPLASH_BLOCKS), source=_V6E),
+        ("remat_policy=full", "use_iota_embed=True", *_SPLASH_BLOCKS), source=_V6E,
+        libtpu_flags=_DENSE_VMEM_LIMIT),
     # MaxText splits its FSDP over fsdp_transpose here (the same chips, the weights'
     # other dimension); shardlab's FSDP splits the embedding dimension.
     "llama2_70b_4096_synthetic/v6e-256": Recipe(
         "llama2-70b", "tpu-v6e", 256, 2, 4096, "qkv-proj-offloaded", "flash",
         ("remat_policy=qkv_proj_offloaded", "ici_fsdp_parallelism=1",
          "ici_fsdp_transpose_parallelism=-1", "use_iota_embed=True", *_SPLASH_BLOCKS),
-        source=_V6E),
+        source=_V6E, libtpu_flags=_DENSE_VMEM_LIMIT),
     # Llama 3.1 (the llama3 presets: the same shapes; 3.1's RoPE scaling changes only the
     # rotation frequencies) at 8192 tokens, MaxText's custom policy offloading the decoder
     # input and projections. MaxText's logits are bf16, shardlab's fp32: shardlab runs its
