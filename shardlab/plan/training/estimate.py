@@ -179,7 +179,7 @@ def estimate(req: Request, model, acc: hardware.Accelerator, spec: mesh_lib.Mesh
   bubble = pipe.bubble if pipe else 0.0  # a pipeline's layer runs count its idle ones
   time = plan_time.step_time(model, train, acc, tokens_per_device, flops, shapes, p,
                              uses.layer_runs * (1 - bubble), serial_s, hideable_s, bubble,
-                             _update_bytes(memory))
+                             memory.update_bytes)
   host_bytes = 2 * (state["host"] + offloaded_acts * train.microbatches)  # both ways
   terms = {"compute": time.step_s, "memory": memory_s,
            "host transfers": host_bytes / acc.host_bw}
@@ -295,10 +295,4 @@ def _hbm_traffic(memory: plan_memory.Memory, a, model, train, p: int) -> float:
   again = remat_lib.recomputes_all(train.remat)  # offload's forward runs again too
   reads = (3 + (1 if again else 0)) * weights * train.microbatches
   acts = 2 * (memory.activations + a.logits * 4 * 2) * train.microbatches
-  return reads + acts + _update_bytes(memory)
-
-
-def _update_bytes(memory: plan_memory.Memory) -> float:
-  """The optimizer's update on the device: it reads the stored weights, the optimizer state
-  and the gradients, and writes the weights and the state back."""
-  return 2 * memory.state + memory.grads
+  return reads + acts + memory.update_bytes

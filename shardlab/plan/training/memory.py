@@ -55,6 +55,12 @@ class Memory:
     return (self.params + self.grads + self.master + self.opt_state + self.activations +
             self.gathered + self.batch)
 
+  @property
+  def update_bytes(self) -> float:
+    """What the optimizer's update moves on the device: it reads the stored weights, the
+    optimizer state and the gradients, and writes the weights and the state back."""
+    return 2 * self.state + self.grads
+
   def as_dict(self) -> dict:
     d = dataclasses.asdict(self)
     d.update(state=self.state, total=self.total)
