@@ -110,6 +110,13 @@ class Pool:
     for p in procs:
       if p.is_alive():
         p.kill()
+    # The queue's feeder thread may be stuck writing a chunk into the pipe of a worker that
+    # is gone (a chunk larger than the pipe's buffer): the manager thread would wait for it
+    # on shutdown, and concurrent.futures' exit hook for the manager, without a timeout
+    # (seen once: the command printed its "interrupted" line and never exited).
+    call_queue = getattr(self.pool, "_call_queue", None)
+    if call_queue is not None:
+      call_queue.cancel_join_thread()
     self.pool.shutdown(wait=False, cancel_futures=True)
     # The pool's manager thread sees its workers gone and closes its wake-up pipe. Joined
     # here, it cannot be closing that pipe while concurrent.futures' exit hook writes to it
