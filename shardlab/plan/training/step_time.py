@@ -67,7 +67,7 @@ class StepTime:
   elementwise_s: float
   exposed_comm_s: float  # the collectives' part that does not overlap compute
   bubble: float
-  update_s: float = 0.0  # the optimizer's update of the device's state
+  update_s: float  # the optimizer's update of the device's state
 
   @property
   def compute_s(self) -> float:
@@ -112,7 +112,7 @@ def exposed(serial_s: float, hideable_s: float, compute_s: float, n_layers: int)
 
 def step_time(m, train, acc, tokens_per_device: float, flops_per_device: float, a, p: int,
               layer_runs: float, serial_s: float, hideable_s: float,
-              bubble: float, update_bytes: float = 0.0) -> StepTime:
+              bubble: float, update_bytes: float) -> StepTime:
   """The step's time on one device (see the module docstring). `flops_per_device`: its
   hardware FLOPs, attention included; `a`: one microbatch's ActivationShapes;
   `update_bytes`: what the optimizer's update reads and writes on the device."""
